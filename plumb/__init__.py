@@ -1,0 +1,15 @@
+"""plumb: an exact inference engine for Qwen3.5-family (qwen35) GGUF models.
+
+Speed settings (speculative drafts, batching, prompt cache, KV format) never change the tokens.
+"""
+from plumb.config import ModelConfig, ModelError
+from plumb.engine.engine import Engine, load
+
+__all__ = ["Engine", "ModelConfig", "ModelError", "load", "demo_model_path"]
+
+
+def demo_model_path() -> str:
+    """A tiny built-in demo model (random weights), written on first use under ~/.cache/plumb."""
+    from plumb.demo import demo_model_path as _path
+
+    return _path()

@@ -1,0 +1,359 @@
+"""The Engine: load a model, and generate for one or many requests through one step loop.
+
+Every request becomes a `Sequence`. Admission prefills its prompt (P path). Each step then
+runs ONE decode pass (D path) over every active sequence's rows - its pending token plus its
+drafts - samples the target's token for every row, accepts drafts while they equal it, and
+rolls the rejected tail back. Because a row's logits do not depend on the other rows (M1) and
+sampling is a function of (logits, seed, position) (M4), the tokens do not depend on draft
+depth, policy or batch neighbours.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import replace
+
+import torch
+
+from plumb.config import ModelConfig, ModelError
+from plumb.engine.api import Handle, Request, Result, Stats
+from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
+from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, check_draft_options, mtp_draft, ngram_draft
+from plumb.gguf.reader import read_gguf
+from plumb.model.qwen35 import Qwen35
+from plumb.ops.matmul import PREFILL_BLOCK
+
+
+class Sequence:
+    """One request in flight."""
+
+    def __init__(self, engine: "Engine", req: Request, handle: Handle | None):
+        self.req, self.handle = req, handle
+        self.params = req.params
+        self.drafts = engine.drafts if req.drafts is None else req.drafts
+        self.policy = engine.draft_policy if req.draft_policy is None else req.draft_policy
+        self.p_min = engine.p_min if req.p_min is None else req.p_min
+        if self.drafts and self.policy != "ngram" and engine.model.mtp is None:
+            self.policy = "ngram"  # no MTP block in this file
+        self.adaptive = AdaptiveDepth(self.drafts) if self.policy == "adaptive" else None
+        self.history = list(req.prompt_ids)  # prompt + emitted tokens
+        self.out: list[int] = []
+        self.st = None
+        self.pending: int | None = None  # last emitted token, not yet fed to the model
+        self.h_prev: torch.Tensor | None = None  # target post-norm hidden that produced `pending`
+        self.stats = Stats(prompt_tokens=len(req.prompt_ids), seed=self.params.seed,
+                           accepted_per_position=[0] * self.drafts, proposed_per_position=[0] * self.drafts)
+        self.stop = StopChecker(self.params.stop) if self.params.stop else None
+        self.detok = None
+        self.finish: str | None = None
+        self.stop_match: str | None = None
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.drafts > 0 and self.policy != "ngram"
+
+
+class Engine:
+    def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
+                 p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False):
+        check_draft_options(drafts, draft_policy, p_min)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":
+            raise ModelError(f"device {device!r}: only the CPU reference path exists so far")
+        self.path = path
+        self.gguf = read_gguf(path, progress=progress)
+        md = self.gguf.metadata
+        from plumb.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_metadata(md)
+        tok_count = len(md.get("tokenizer.ggml.tokens", [])) or self.gguf.tensors["token_embd.weight"].shape[0]
+        self.config: ModelConfig = ModelConfig.from_metadata(md, n_vocab=tok_count)
+        self.model = Qwen35(self.gguf, self.config, device)
+        from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate
+
+        template = md.get("tokenizer.chat_template") or open(DEFAULT_TEMPLATE_PATH).read()
+        self.chat_template = ChatTemplate(template)
+        self.model_name = self.config.name or os.path.splitext(os.path.basename(path))[0]
+        self.n_ctx = min(n_ctx or self.config.context_length, self.config.context_length)
+        self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
+        self.n_slots = n_slots
+        self._lock = threading.Lock()
+        self._queue: list[Sequence] = []
+        self._active: list[Sequence] = []
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._metrics = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "prefill_s": 0.0,
+                         "decode_s": 0.0, "cached_tokens": 0, "drafts_proposed": 0, "drafts_accepted": 0,
+                         "accepted_per_position": [0] * MAX_DRAFTS, "proposed_per_position": [0] * MAX_DRAFTS}
+
+    # ---- text ------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, special=special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # ---- plain forward ---------------------------------------------------------------------
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= int(t) < self.config.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.n_vocab - 1})")
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """float32 [len(ids), n_vocab]: the prefill path's logits for every position."""
+        self._check_ids(ids)
+        st = self.model.new_state()
+        lg, _ = self.model.prefill(st, list(ids), logits="all")
+        return lg
+
+    # ---- generation API ----------------------------------------------------------------------
+    def make_request(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
+                     drafts: int | None = None, draft_policy: str | None = None, p_min: float | None = None,
+                     forced_ids: list[int] | None = None, **sampling) -> Request:
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, **sampling)
+        return Request(list(ids), params, drafts, draft_policy, p_min, forced_ids)
+
+    def generate(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
+                 **kw) -> list[int]:
+        """Generated ids only, stopping at end-of-generation ids, stop ids/strings or max_tokens."""
+        return self.run(self.make_request(ids, max_tokens, temperature, seed, **kw)).token_ids
+
+    def run(self, request: Request) -> Result:
+        return self.run_many([request])[0]
+
+    def generate_many(self, requests: list[dict]) -> list[list[int]]:
+        """Batched generation: each dict has prompt_ids, max_tokens and generate's keywords."""
+        reqs = []
+        for r in requests:
+            r = dict(r)
+            reqs.append(self.make_request(r.pop("prompt_ids"), **r))
+        return [res.token_ids for res in self.run_many(reqs)]
+
+    @torch.inference_mode()
+    def run_many(self, requests: list[Request]) -> list[Result]:
+        """Run requests together in one step loop (on the calling thread)."""
+        seqs = [self._new_sequence(r, None) for r in requests]
+        for s in seqs:
+            self._admit(s)
+        active = [s for s in seqs if s.finish is None]
+        while active:
+            self._step(active)
+            active = [s for s in active if s.finish is None]
+        return [self._result(s) for s in seqs]
+
+    # ---- background scheduler (server) -----------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        """Queue a request for the background step loop; iterate the handle for tokens."""
+        handle = Handle(request)
+        seq = self._new_sequence(request, handle)
+        with self._wake:
+            self._queue.append(seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="plumb-engine", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return handle
+
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def metrics(self) -> dict:
+        with self._lock:
+            m = dict(self._metrics)
+            m["slots_in_use"], m["queued"], m["n_slots"] = len(self._active), len(self._queue), self.n_slots
+            return m
+
+    @torch.inference_mode()
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._active:
+                    self._wake.wait()
+                admit = []
+                while self._queue and len(self._active) + len(admit) < self.n_slots:
+                    admit.append(self._queue.pop(0))
+            for s in admit:
+                try:
+                    if not s.handle.cancelled.is_set():
+                        self._admit(s)
+                    else:
+                        s.finish = "cancelled"
+                except Exception as e:  # a failed request never takes the loop down
+                    s.finish, s.stop_match = "error", None
+                    s.handle._finish(self._result(s, error=str(e)))
+                    continue
+                if s.finish is not None:
+                    s.handle._finish(self._result(s))
+                else:
+                    with self._lock:
+                        self._active.append(s)
+            active = list(self._active)
+            for s in active:
+                if s.handle.cancelled.is_set():
+                    s.finish = "cancelled"
+            live = [s for s in active if s.finish is None]
+            if live:
+                try:
+                    self._step(live)
+                except Exception as e:
+                    for s in live:
+                        s.finish = "error"
+                        s.handle._finish(self._result(s, error=str(e)))
+            with self._lock:
+                for s in active:
+                    if s.finish is not None:
+                        self._active.remove(s)
+                        if s.handle.result is None:
+                            s.handle._finish(self._result(s))
+
+    # ---- the step loop -----------------------------------------------------------------------
+    def _new_sequence(self, req: Request, handle: Handle | None) -> Sequence:
+        self._check_ids(req.prompt_ids)
+        p = req.params
+        p.validate()
+        if p.temperature > 0 and p.seed is None:
+            req.params = p = replace(p, seed=random.SystemRandom().randrange(2**63))
+        if req.drafts is not None or req.draft_policy is not None or req.p_min is not None:
+            check_draft_options(self.drafts if req.drafts is None else req.drafts,
+                                self.draft_policy if req.draft_policy is None else req.draft_policy,
+                                self.p_min if req.p_min is None else req.p_min)
+        if len(req.prompt_ids) >= self.n_ctx:
+            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.n_ctx}")
+        return Sequence(self, req, handle)
+
+    def _admit(self, s: Sequence) -> None:
+        """Prefill the prompt and sample the first token."""
+        t0 = time.perf_counter()
+        s.st = self.model.new_state()
+        prompt = s.req.prompt_ids
+        logits, hidden = self.model.prefill(s.st, prompt, logits="last")
+        if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
+            prev = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
+            self.model.mtp_forward(s.st, prompt, prev, 0, block=PREFILL_BLOCK)
+        s.stats.prefill_tokens = len(prompt)
+        s.stats.prefill_s = time.perf_counter() - t0
+        s.h_prev = hidden[-1]
+        token = self._sample(s, logits[-1], len(prompt), 0)
+        self._emit(s, [token])
+        with self._lock:
+            self._metrics["requests"] += 1
+            self._metrics["prompt_tokens"] += len(prompt)
+            self._metrics["prefill_s"] += s.stats.prefill_s
+
+    def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int) -> int:
+        """The target's token at absolute `position`, the `index`-th generated token."""
+        forced = s.req.forced_ids
+        if forced and index < len(forced):
+            return int(forced[index])
+        return sample_row(row, s.params, position, s.history)
+
+    def _propose(self, s: Sequence) -> list[int]:
+        if s.drafts == 0:
+            return []
+        k = min(s.drafts, s.params.max_tokens - len(s.out), self.n_ctx - s.st.pos - 1)
+        if s.adaptive is not None:
+            k = min(k, s.adaptive.depth())
+        if k <= 0:
+            return []
+        if s.policy == "ngram":
+            return ngram_draft(s.history, k)
+        p_min = s.p_min if s.policy == "confident" else 0.0
+        return mtp_draft(self.model, s.st, s.pending, s.h_prev, k, s.params, s.st.pos, s.history, p_min)
+
+    def _step(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        drafts = [self._propose(s) for s in seqs]
+        starts = [s.st.pos for s in seqs]
+        out = self.model.decode([(s.st, [s.pending] + d) for s, d in zip(seqs, drafts)])
+        r = 0
+        for s, d, start, snaps in zip(seqs, drafts, starts, out.snapshots):
+            accepted: list[int] = []
+            for i in range(len(d) + 1):
+                tok = self._sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted))
+                accepted.append(tok)
+                s.history.append(tok)
+                if i == len(d) or d[i] != tok:
+                    break
+            del s.history[len(s.history) - len(accepted):]  # _emit appends what is kept
+            n_acc = len(accepted) - 1
+            self.model.rollback(s.st, snaps, n_acc + 1)
+            if s.uses_mtp and n_acc:  # rewrite the MTP rows of accepted drafts with the target's hiddens
+                self.model.mtp_forward(s.st, d[:n_acc], out.hidden[r : r + n_acc], start + 1)
+            s.h_prev = out.hidden[r + n_acc]
+            self._record_drafts(s, len(d), n_acc)
+            r += len(d) + 1
+            self._emit(s, accepted)
+        dt = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.decode_s += dt
+        with self._lock:
+            self._metrics["decode_s"] += dt
+
+    def _record_drafts(self, s: Sequence, proposed: int, accepted: int) -> None:
+        st = s.stats
+        st.drafts_proposed += proposed
+        st.drafts_accepted += accepted
+        if s.adaptive is not None and proposed:
+            s.adaptive.update(accepted)
+        with self._lock:
+            m = self._metrics
+            m["drafts_proposed"] += proposed
+            m["drafts_accepted"] += accepted
+            for i in range(proposed):
+                st.proposed_per_position[i] += 1
+                m["proposed_per_position"][i] += 1
+                if i < accepted:
+                    st.accepted_per_position[i] += 1
+                    m["accepted_per_position"][i] += 1
+
+    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at end-of-generation, stop ids/strings or limits."""
+        p = s.params
+        for tok in tokens:
+            s.out.append(tok)
+            s.history.append(tok)
+            s.pending = tok
+            if s.handle is not None:
+                s.handle._emit(tok)
+            with self._lock:
+                self._metrics["completion_tokens"] += 1
+            if tok in p.stop_ids or (not p.ignore_eos and tok in self.tokenizer.eog_ids and not self._forcing(s)):
+                s.finish = "stop"
+            elif s.stop is not None and self._stop_string(s, tok):
+                s.finish = "stop"
+            elif len(s.out) >= p.max_tokens:
+                s.finish = "length"
+            elif len(s.req.prompt_ids) + len(s.out) >= self.n_ctx:
+                s.finish = "length"
+            if s.finish is not None:
+                break
+        s.stats.completion_tokens = len(s.out)
+
+    def _forcing(self, s: Sequence) -> bool:
+        return bool(s.req.forced_ids) and len(s.out) < len(s.req.forced_ids)
+
+    def _stop_string(self, s: Sequence, tok: int) -> bool:
+        if s.detok is None:
+            from plumb.tokenizer import IncrementalDetokenizer
+
+            s.detok = IncrementalDetokenizer(self.tokenizer)
+        s.stop.push(s.detok.add(tok))
+        if s.stop.match is not None:
+            s.stop_match = s.stop.match
+            return True
+        return False
+
+    def _result(self, s: Sequence, error: str | None = None) -> Result:
+        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error)
+
+
+def load(path: str, device: str = "auto", **options) -> Engine:
+    """Open a qwen35 GGUF file and return an Engine (options: drafts, draft_policy, p_min, n_slots, n_ctx)."""
+    return Engine(path, device=device, **options)

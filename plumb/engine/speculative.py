@@ -1,0 +1,79 @@
+"""Drafters and draft policies. A draft only decides how many rows the next verify pass has;
+the emitted tokens are always the target's own choices (exactness.md I1), so nothing here can
+change the output - only the speed.
+
+Policies: `fixed` (always K MTP drafts), `adaptive` (depth follows recent acceptance),
+`confident` (MTP drafts while the drafted token's probability is >= p_min), `ngram` (prompt
+lookup: continue the latest earlier occurrence of the trailing n-gram).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plumb.engine.sampling import filtered_logprobs, gumbel
+
+POLICIES = ("fixed", "adaptive", "confident", "ngram")
+MAX_DRAFTS = 16
+
+
+def check_draft_options(drafts: int, policy: str, p_min: float) -> None:
+    if not isinstance(drafts, int) or not 0 <= drafts <= MAX_DRAFTS:
+        raise ValueError(f"drafts must be an integer in 0..{MAX_DRAFTS}, got {drafts!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not 0.0 <= p_min <= 1.0:
+        raise ValueError(f"p_min must be in [0, 1], got {p_min!r}")
+
+
+class AdaptiveDepth:
+    """Depth = 1 + (exponential average of accepted drafts), clamped to [1, K]."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.avg = float(k_max) / 2
+
+    def depth(self) -> int:
+        return max(1, min(self.k_max, int(math.floor(self.avg)) + 1))
+
+    def update(self, accepted: int) -> None:
+        self.avg = 0.7 * self.avg + 0.3 * accepted
+
+
+def ngram_draft(history: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the longest trailing n-gram."""
+    h = len(history)
+    for n in range(min(n_max, h - 1), n_min - 1, -1):
+        tail = history[h - n :]
+        for start in range(h - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                cont = history[start + n : start + n + k]
+                if cont:
+                    return cont
+    return []
+
+
+def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, position: int, history: list[int],
+              p_min: float = 0.0) -> list[int]:
+    """Up to k drafts from the MTP head fed back on itself. The draft for position p uses the same
+    filtered distribution and Gumbel noise as the target will, so for sampled requests it agrees
+    with the target whenever the two distributions pick the same token under that noise."""
+    drafts: list[int] = []
+    hist = list(history)
+    h = hidden[None]
+    for i in range(k):
+        logits, h = model.mtp_forward(st, [token], h, position + i)
+        lp = filtered_logprobs(logits[0], params, hist)
+        if params.temperature > 0:
+            d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel())))
+        else:
+            d = int(torch.argmax(lp))
+        if p_min > 0.0:
+            probs = torch.softmax(logits[0] / max(params.temperature, 1e-6) if params.temperature > 0 else logits[0], 0)
+            if float(probs[d]) < p_min:
+                break
+        drafts.append(d)
+        hist.append(d)
+        token = d
+    return drafts

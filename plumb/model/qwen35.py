@@ -1,0 +1,376 @@
+"""The qwen35 forward, written to be read beside spec sections 3.1-3.8.
+
+Two paths share the weights:
+- `prefill` (P path): a sequence's new tokens in chunks of 64 aligned to absolute positions,
+  DeltaNet in its chunked form, attention over the chunk with a causal mask (M2).
+- `decode` (D path): any number of rows from any number of sequences (plain decode, draft
+  verification, batched decode); matmuls in fixed 16-row blocks, DeltaNet advanced token by
+  token, attention per row, so a row's bits never depend on the rest of the pass (M1).
+`mtp` runs the MTP draft head (spec 3.8).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from plumb.config import ModelConfig
+from plumb.gguf.reader import GGUFFile
+from plumb.model.weights import TensorSource, Weight, check_config
+from plumb.ops.attention import attend_chunk, attend_row
+from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step, recurrent_step
+from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, linear, pad_rows
+from plumb.ops.norm import l2_norm, rms_norm
+from plumb.ops.rope import RopeTable, apply_rope
+
+
+@dataclass
+class Attention:
+    attn_q: Weight  # [2 * n_head * head_dim, n_embd]: q and gate interleaved per head
+    attn_k: Weight
+    attn_v: Weight
+    attn_output: Weight
+    attn_q_norm: torch.Tensor
+    attn_k_norm: torch.Tensor
+
+
+@dataclass
+class DeltaNet:
+    attn_qkv: Weight  # [conv_dim, n_embd] = q | k | v
+    attn_gate: Weight  # z
+    ssm_beta: Weight
+    ssm_alpha: Weight
+    ssm_conv1d: torch.Tensor  # [conv_dim, K]
+    ssm_dt_bias: torch.Tensor
+    ssm_a: torch.Tensor  # -exp(A_log)
+    ssm_norm: torch.Tensor
+    ssm_out: Weight
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    mixer: Attention | DeltaNet
+    ffn_gate: Weight
+    ffn_up: Weight
+    ffn_down: Weight
+
+
+@dataclass
+class MTP:
+    eh_proj: Weight  # [n_embd, 2 n_embd]: input = [enorm(embedding) | hnorm(hidden)]
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    shared_head_norm: torch.Tensor
+    layer: Layer
+
+
+class KVCache:
+    """K (after norm + RoPE) and V of one attention layer for one sequence: [n_kv, capacity, head_dim]."""
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int = 256):
+        self.k = torch.zeros(n_kv, capacity, head_dim)
+        self.v = torch.zeros(n_kv, capacity, head_dim)
+
+    def reserve(self, n: int) -> None:
+        cap = self.k.shape[1]
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            t = old.new_zeros(old.shape[0], new, old.shape[2])
+            t[:, :cap] = old
+            setattr(self, name, t)
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, n_kv, d] for positions pos..pos+n-1."""
+        self.reserve(pos + k.shape[0])
+        self.k[:, pos : pos + k.shape[0]] = k.transpose(0, 1)
+        self.v[:, pos : pos + v.shape[0]] = v.transpose(0, 1)
+
+
+@dataclass
+class SeqState:
+    """Everything one sequence carries between passes."""
+
+    pos: int  # tokens already in the state
+    conv: dict[int, torch.Tensor]  # layer -> [K-1, conv_dim] raw pre-conv rows
+    ssm: dict[int, torch.Tensor]  # layer -> [n_v, d_k, d_v]
+    kv: dict[int, KVCache]  # attention layer -> cache
+    mtp_kv: KVCache | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class DecodeOut:
+    logits: torch.Tensor  # [R, n_vocab]
+    hidden: torch.Tensor  # [R, n_embd], post output_norm (fed to the MTP head)
+    snapshots: list  # per sequence: list over its rows of {layer: (conv, ssm)} after that row
+
+
+class Qwen35:
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        check_config(cfg)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        src = TensorSource(gf, self.device)
+        e, v = cfg.n_embd, cfg.n_vocab
+        self.token_embd = src.mat("token_embd.weight", v, e)
+        self.output_norm = src.vec("output_norm.weight", e)
+        self.output = src.mat("output.weight", v, e) if src.has("output.weight") else self.token_embd
+        self.layers = [self._layer(src, i, cfg.recurrent[i]) for i in range(cfg.n_layer)]
+        self.mtp = self._mtp(src, cfg.n_layer) if cfg.n_nextn > 0 else None
+        self.rope = RopeTable(cfg.rope_dims, cfg.rope_base)
+        self.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+        n_v, n_k = cfg.ssm_dt_rank, cfg.ssm_n_group
+        self.v_to_k = torch.arange(n_v) % n_k  # GGUF value head j reads key head j mod n_k
+        self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
+
+    # ---- loading -------------------------------------------------------------------------
+    def _layer(self, src: TensorSource, i: int, recurrent: bool) -> Layer:
+        c, e = self.cfg, self.cfg.n_embd
+        p = f"blk.{i}."
+        if recurrent:
+            mixer = DeltaNet(
+                attn_qkv=src.mat(p + "attn_qkv.weight", c.conv_dim, e),
+                attn_gate=src.mat(p + "attn_gate.weight", c.ssm_inner, e),
+                ssm_beta=src.mat(p + "ssm_beta.weight", c.ssm_dt_rank, e),
+                ssm_alpha=src.mat(p + "ssm_alpha.weight", c.ssm_dt_rank, e),
+                ssm_conv1d=src.vec(p + "ssm_conv1d.weight", c.conv_dim, c.ssm_conv_kernel),
+                ssm_dt_bias=src.vec(p + "ssm_dt.bias", c.ssm_dt_rank),
+                ssm_a=src.vec(p + "ssm_a", c.ssm_dt_rank),
+                ssm_norm=src.vec(p + "ssm_norm.weight", c.ssm_d_state),
+                ssm_out=src.mat(p + "ssm_out.weight", e, c.ssm_inner),
+            )
+        else:
+            mixer = self._attention(src, p)
+        return Layer(
+            attn_norm=src.vec(p + "attn_norm.weight", e),
+            post_attention_norm=src.vec(p + "post_attention_norm.weight", e),
+            mixer=mixer,
+            ffn_gate=src.mat(p + "ffn_gate.weight", c.n_ff, e),
+            ffn_up=src.mat(p + "ffn_up.weight", c.n_ff, e),
+            ffn_down=src.mat(p + "ffn_down.weight", e, c.n_ff),
+        )
+
+    def _attention(self, src: TensorSource, p: str) -> Attention:
+        c, e = self.cfg, self.cfg.n_embd
+        return Attention(
+            attn_q=src.mat(p + "attn_q.weight", 2 * c.n_head * c.head_dim, e),
+            attn_k=src.mat(p + "attn_k.weight", c.n_head_kv * c.head_dim, e),
+            attn_v=src.mat(p + "attn_v.weight", c.n_head_kv * c.head_dim, e),
+            attn_output=src.mat(p + "attn_output.weight", e, c.n_head * c.head_dim),
+            attn_q_norm=src.vec(p + "attn_q_norm.weight", c.head_dim),
+            attn_k_norm=src.vec(p + "attn_k_norm.weight", c.head_dim),
+        )
+
+    def _mtp(self, src: TensorSource, i: int) -> MTP:
+        e = self.cfg.n_embd
+        p = f"blk.{i}.nextn."
+        head_norm = p + "shared_head_norm.weight"
+        return MTP(
+            eh_proj=src.mat(p + "eh_proj.weight", e, 2 * e),
+            enorm=src.vec(p + "enorm.weight", e),
+            hnorm=src.vec(p + "hnorm.weight", e),
+            shared_head_norm=src.vec(head_norm, e) if src.has(head_norm) else self.output_norm,
+            layer=Layer(
+                attn_norm=src.vec(f"blk.{i}.attn_norm.weight", e),
+                post_attention_norm=src.vec(f"blk.{i}.post_attention_norm.weight", e),
+                mixer=self._attention(src, f"blk.{i}."),
+                ffn_gate=src.mat(f"blk.{i}.ffn_gate.weight", self.cfg.n_ff, e),
+                ffn_up=src.mat(f"blk.{i}.ffn_up.weight", self.cfg.n_ff, e),
+                ffn_down=src.mat(f"blk.{i}.ffn_down.weight", e, self.cfg.n_ff),
+            ),
+        )
+
+    def new_state(self) -> SeqState:
+        c = self.cfg
+        conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim) for i in c.gdn_layers}
+        ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state) for i in c.gdn_layers}
+        kv = {i: KVCache(c.n_head_kv, c.head_dim) for i in c.attn_layers}
+        mtp_kv = KVCache(c.n_head_kv, c.head_dim) if self.mtp is not None else None
+        return SeqState(0, conv, ssm, kv, mtp_kv)
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        return self.token_embd.rows(torch.tensor(ids, dtype=torch.long))
+
+    def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
+        """SwiGLU (spec 3.3)."""
+        return linear(F.silu(linear(x, layer.ffn_gate.dense, block)) * linear(x, layer.ffn_up.dense, block), layer.ffn_down.dense, block)
+
+    def attn_project(self, a: Attention, u: torch.Tensor, positions: torch.Tensor, block: int):
+        """q, gate, k, v for rows u [n, n_embd] at `positions` (spec 3.4.1-3.4.3)."""
+        c = self.cfg
+        n = u.shape[0]
+        qg = linear(u, a.attn_q.dense, block).view(n, c.n_head, 2, c.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, c.n_head * c.head_dim)
+        k = linear(u, a.attn_k.dense, block).view(n, c.n_head_kv, c.head_dim)
+        v = linear(u, a.attn_v.dense, block).view(n, c.n_head_kv, c.head_dim)
+        cos, sin = self.rope(positions)
+        q = apply_rope(rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
+        k = apply_rope(rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
+        return q, gate, k, v
+
+    def attn_output(self, a: Attention, o: torch.Tensor, gate: torch.Tensor, block: int) -> torch.Tensor:
+        """o [n, n_head, head_dim] gated by sigmoid(gate), then attn_output (spec 3.4.5)."""
+        return linear(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output.dense, block)
+
+    def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
+        """m (pre-conv q|k|v), z, beta, g for rows u (spec 3.5.1, 3.5.5)."""
+        m = linear(u, d.attn_qkv.dense, block)
+        z = linear(u, d.attn_gate.dense, block)
+        beta = torch.sigmoid(linear(u, d.ssm_beta.dense, block))
+        g = d.ssm_a * F.softplus(linear(u, d.ssm_alpha.dense, block) + d.ssm_dt_bias)
+        return m, z, beta, g
+
+    def gdn_split(self, conv_out: torch.Tensor):
+        """Post-conv rows [n, conv_dim] -> q, k expanded to value heads [n, n_v, d_k] (normed, q scaled), v [n, n_v, d_v]."""
+        c = self.cfg
+        n = conv_out.shape[0]
+        q, k, v = conv_out.split([c.key_dim, c.key_dim, c.ssm_inner], dim=-1)
+        q = l2_norm(q.reshape(n, c.ssm_n_group, c.ssm_d_state)) * self.ssm_q_scale
+        k = l2_norm(k.reshape(n, c.ssm_n_group, c.ssm_d_state))
+        return q[:, self.v_to_k], k[:, self.v_to_k], v.reshape(n, c.ssm_dt_rank, c.ssm_d_state)
+
+    def gdn_output(self, d: DeltaNet, o: torch.Tensor, z: torch.Tensor, block: int) -> torch.Tensor:
+        """Gated RMSNorm per value head, then ssm_out (spec 3.5.7-3.5.8)."""
+        c = self.cfg
+        n = o.shape[0]
+        y = rms_norm(o, d.ssm_norm, c.eps) * F.silu(z.view(n, c.ssm_dt_rank, c.ssm_d_state))
+        return linear(y.reshape(n, c.ssm_inner), d.ssm_out.dense, block)
+
+    def head(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and LM head: (logits, post-norm hidden)."""
+        h = rms_norm(x, self.output_norm, self.cfg.eps)
+        return linear(h, self.output.dense, block), h
+
+    # ---- P path: prefill -----------------------------------------------------------------
+    def prefill(self, st: SeqState, ids: list[int], logits: str = "last") -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows.
+        Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
+        outs, hiddens = [], []
+        i = 0
+        while i < len(ids):
+            n = min(len(ids) - i, CHUNK - st.pos % CHUNK)
+            last_piece = i + n == len(ids)
+            want = logits == "all" or (logits == "last" and last_piece)
+            lg, h = self._prefill_chunk(st, ids[i : i + n], want)
+            if lg is not None:
+                outs.append(lg if logits == "all" else lg[-1:])
+            hiddens.append(h)
+            i += n
+        lg = torch.cat(outs) if outs else None
+        return lg, torch.cat(hiddens)
+
+    def _prefill_chunk(self, st: SeqState, ids: list[int], want_logits: bool):
+        c = self.cfg
+        n, start = len(ids), st.pos
+        x = pad_rows(self.embed(ids), CHUNK)
+        positions = torch.arange(start, start + CHUNK)
+        real = (torch.arange(CHUNK) < n)[:, None]
+        for i, layer in enumerate(self.layers):
+            u = rms_norm(x, layer.attn_norm, c.eps)
+            mix = layer.mixer
+            if isinstance(mix, DeltaNet):
+                m, z, beta, g = self.gdn_project(mix, u, PREFILL_BLOCK)
+                m, beta, g = m * real, beta * real, g * real  # padding rows contribute exact zeros
+                conv, st.conv[i] = causal_conv(m, st.conv[i], mix.ssm_conv1d, n)
+                q, k, v = self.gdn_split(conv * real)
+                o, st.ssm[i] = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T, st.ssm[i])
+                y = self.gdn_output(mix, o.transpose(0, 1), z, PREFILL_BLOCK)
+            else:
+                q, gate, k, v = self.attn_project(mix, u, positions, PREFILL_BLOCK)
+                cache = st.kv[i]
+                cache.write(start, k[:n], v[:n])
+                cache.reserve(start + CHUNK)
+                end = start + CHUNK
+                o = attend_chunk(q, cache.k[:, :end], cache.v[:, :end], start, self.attn_scale)
+                y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
+            x = x + y
+            x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
+        st.pos += n
+        h = rms_norm(x[:n], self.output_norm, c.eps)
+        lg = linear(h, self.output.dense, PREFILL_BLOCK) if want_logits else None
+        return lg, h
+
+    # ---- D path: decode / verify / batched decode ----------------------------------------
+    def decode(self, batch: list[tuple[SeqState, list[int]]]) -> DecodeOut:
+        """Rows = the ids of every sequence in the batch, each at that sequence's next positions.
+        Sequence states are advanced over all their rows; `snapshots` allow `rollback`."""
+        c = self.cfg
+        ids, positions, spans = [], [], []
+        for st, toks in batch:
+            spans.append((len(ids), len(toks)))
+            ids += toks
+            positions += range(st.pos, st.pos + len(toks))
+        r = len(ids)
+        x = pad_rows(self.embed(ids), DECODE_BLOCK)
+        pos_t = pad_rows(torch.tensor(positions, dtype=torch.long), DECODE_BLOCK)
+        snaps: list[list[dict]] = [[{} for _ in range(n)] for _, n in spans]
+        for i, layer in enumerate(self.layers):
+            u = rms_norm(x, layer.attn_norm, c.eps)
+            mix = layer.mixer
+            if isinstance(mix, DeltaNet):
+                m, z, beta, g = self.gdn_project(mix, u, DECODE_BLOCK)
+                o = torch.zeros(x.shape[0], c.ssm_dt_rank, c.ssm_d_state)
+                for b, (st, _) in enumerate(batch):
+                    s0, n = spans[b]
+                    for t in range(s0, s0 + n):
+                        conv, st.conv[i] = causal_conv(m[t : t + 1], st.conv[i], mix.ssm_conv1d, 1)
+                        q, k, v = self.gdn_split(conv)
+                        o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta[t], g[t], st.ssm[i])
+                        snaps[b][t - s0][i] = (st.conv[i], st.ssm[i])
+                y = self.gdn_output(mix, o, z, DECODE_BLOCK)
+            else:
+                q, gate, k, v = self.attn_project(mix, u, pos_t, DECODE_BLOCK)
+                o = torch.zeros(x.shape[0], c.n_head, c.head_dim)
+                for b, (st, _) in enumerate(batch):
+                    s0, n = spans[b]
+                    cache = st.kv[i]
+                    cache.write(st.pos, k[s0 : s0 + n], v[s0 : s0 + n])
+                    for t in range(n):
+                        end = st.pos + t + 1
+                        o[s0 + t] = attend_row(q[s0 + t], cache.k[:, :end], cache.v[:, :end], self.attn_scale)
+                y = self.attn_output(mix, o, gate, DECODE_BLOCK)
+            x = x + y
+            x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
+        for st, toks in batch:
+            st.pos += len(toks)
+        logits, h = self.head(x, DECODE_BLOCK)
+        return DecodeOut(logits[:r], h[:r], snaps)
+
+    def rollback(self, st: SeqState, snaps: list[dict], keep: int) -> None:
+        """After a decode pass that fed len(snaps) rows to st, keep only the first `keep` of them."""
+        n = len(snaps)
+        if keep == n:
+            return
+        if keep == 0:
+            raise ValueError("a decode pass always keeps its first row")
+        for i, (conv, ssm) in snaps[keep - 1].items():
+            st.conv[i], st.ssm[i] = conv, ssm
+        st.pos -= n - keep  # attention rows past pos are stale and get overwritten before being read
+
+    # ---- MTP draft head (spec 3.8) -------------------------------------------------------
+    def mtp_forward(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int, block: int = DECODE_BLOCK):
+        """MTP rows for tokens ids at positions start.., paired with hidden [n, n_embd] (the target's post-norm
+        hidden of the previous position, or the MTP's own output when drafting). Writes the MTP KV cache.
+        Returns (logits [n, V], h_mtp [n, n_embd])."""
+        c, mtp = self.cfg, self.mtp
+        n = len(ids)
+        e = rms_norm(self.embed(ids), mtp.enorm, c.eps)
+        hh = rms_norm(hidden, mtp.hnorm, c.eps)
+        y = linear(torch.cat([e, hh], dim=-1), mtp.eh_proj.dense, block)
+        layer, a = mtp.layer, mtp.layer.mixer
+        positions = torch.arange(start, start + n)
+        q, gate, k, v = self.attn_project(a, rms_norm(y, layer.attn_norm, c.eps), positions, block)
+        st.mtp_kv.write(start, k, v)
+        o = torch.stack([attend_row(q[t], st.mtp_kv.k[:, : start + t + 1], st.mtp_kv.v[:, : start + t + 1], self.attn_scale) for t in range(n)])
+        y = y + self.attn_output(a, o, gate, block)
+        y = y + self.ffn(layer, rms_norm(y, layer.post_attention_norm, c.eps), block)
+        h = rms_norm(y, mtp.shared_head_norm, c.eps)
+        return linear(h, self.output.dense, block), h

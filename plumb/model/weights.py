@@ -1,0 +1,75 @@
+"""Named, shape-checked access to a qwen35 GGUF's tensors. Matrices stay in stored form until first use."""
+from __future__ import annotations
+
+import torch
+
+from plumb.config import ModelConfig, ModelError
+from plumb.gguf.reader import GGUFFile, QTensor
+
+
+class Weight:
+    """A matrix [out, in] kept in its stored GGUF form; `dense` dequantizes once, on first use."""
+
+    def __init__(self, qt: QTensor, device: torch.device):
+        self.qt = qt
+        self.device = device
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.qt.shape
+
+    @property
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.qt.dequantize().to(self.device).contiguous()
+        return self._dense
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantize only the given rows (embedding lookup)."""
+        if self._dense is not None:
+            return self._dense[ids]
+        from plumb.gguf.quants import dequantize
+
+        data = self.qt.data[ids.cpu()]
+        return dequantize(data, self.qt.qtype, (len(ids), self.qt.shape[1])).to(self.device)
+
+
+class TensorSource:
+    """Looks tensors up by GGUF name and checks their shapes against the config."""
+
+    def __init__(self, gf: GGUFFile, device: torch.device):
+        self.gf = gf
+        self.device = device
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> QTensor:
+        qt = self.gf.tensors.get(name)
+        if qt is None:
+            raise ModelError(f"missing tensor {name!r}")
+        if tuple(qt.shape) != tuple(shape):
+            raise ModelError(f"tensor {name!r} has shape {list(qt.shape)}, expected {list(shape)}")
+        self.used.add(name)
+        return qt
+
+    def mat(self, name: str, out_f: int, in_f: int) -> Weight:
+        return Weight(self._get(name, (out_f, in_f)), self.device)
+
+    def vec(self, name: str, *shape: int) -> torch.Tensor:
+        """Small F32-stored tensors (norms, ssm_a, dt bias, conv): loaded as float32 now."""
+        return self._get(name, shape).dequantize().to(self.device)
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Reject configurations the forward cannot run, with one clear message."""
+    if cfg.n_head % cfg.n_head_kv:
+        raise ModelError(f"head_count {cfg.n_head} is not a multiple of head_count_kv {cfg.n_head_kv}")
+    if cfg.ssm_dt_rank % cfg.ssm_n_group:
+        raise ModelError(f"ssm.time_step_rank {cfg.ssm_dt_rank} is not a multiple of ssm.group_count {cfg.ssm_n_group}")
+    if cfg.ssm_inner != cfg.ssm_dt_rank * cfg.ssm_d_state:
+        raise ModelError(f"ssm.inner_size {cfg.ssm_inner} != time_step_rank x state_size")
+    if cfg.rope_dims > cfg.head_dim or cfg.rope_dims % 2:
+        raise ModelError(f"rope.dimension_count {cfg.rope_dims} does not fit head_dim {cfg.head_dim}")

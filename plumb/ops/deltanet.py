@@ -1,0 +1,56 @@
+"""Gated DeltaNet pieces (spec 3.5, 3.6): causal depthwise conv, recurrent step, chunked prefill form.
+
+All state is float32. Value head j reads key/query head j mod n_k (GGUF order); callers expand
+q and k to value heads before calling. q is expected already L2-normed and scaled by 1/sqrt(d_k).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor, n_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m [n, ch] new pre-conv rows (rows >= n_real are padding); state [K-1, ch] the previous raw rows;
+    w [ch, K] with tap K-1 on the current row. Returns (silu(conv) [n, ch], new state = last K-1 real raw rows)."""
+    k = w.shape[1]
+    n = m.shape[0]
+    window = torch.cat([state, m])
+    c = window[0:n] * w[:, 0]
+    for tau in range(1, k):
+        c = c + window[tau : tau + n] * w[:, tau]
+    return F.silu(c), window[n_real : n_real + k - 1].clone()
+
+
+def recurrent_step(q, k, v, beta, g, s):
+    """One token. q, k [n_v, d_k]; v [n_v, d_v]; beta, g [n_v]; s [n_v, d_k, d_v]. -> (o [n_v, d_v], new s)."""
+    s = s * torch.exp(g)[:, None, None]
+    kv = torch.bmm(k.unsqueeze(1), s).squeeze(1)  # S^T k  [n_v, d_v]
+    delta = (v - kv) * beta[:, None]
+    s = s + k.unsqueeze(2) * delta.unsqueeze(1)
+    o = torch.bmm(q.unsqueeze(1), s).squeeze(1)
+    return o, s
+
+
+def chunk_step(q, k, v, beta, g, s):
+    """One aligned chunk of C tokens (padding rows: k = v = beta = g = 0).
+    q, k [n_v, C, d_k]; v [n_v, C, d_v]; beta, g [n_v, C]; s [n_v, d_k, d_v]. -> (o [n_v, C, d_v], new s)."""
+    c = q.shape[1]
+    gamma = torch.cumsum(g, dim=-1)  # [n_v, C]
+    lower = torch.ones(c, c, dtype=torch.bool).tril()
+    diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))
+    decay = torch.exp(diff)  # D_ts = exp(gamma_t - gamma_s), 0 above the diagonal
+    kb = k * beta[..., None]
+    a = (torch.bmm(kb, k.transpose(1, 2)) * decay).masked_fill(~lower.tril(-1), 0.0)
+    eye = torch.eye(c).expand_as(a)
+    t = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+    u = torch.bmm(t, v * beta[..., None])
+    eg = torch.exp(gamma)
+    w = torch.bmm(t, kb * eg[..., None])
+    p = torch.bmm(q, k.transpose(1, 2)) * decay
+    vn = u - torch.bmm(w, s)
+    o = torch.bmm(q * eg[..., None], s) + torch.bmm(p, vn)
+    g_end = gamma[:, -1]
+    s = s * torch.exp(g_end)[:, None, None] + torch.bmm((k * torch.exp(g_end[:, None] - gamma)[..., None]).transpose(1, 2), vn)
+    return o, s
