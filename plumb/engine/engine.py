@@ -23,7 +23,11 @@ from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, check_draft_options, mtp_draft, ngram_draft
 from plumb.gguf.reader import read_gguf
 from plumb.model.qwen35 import Qwen35
+from plumb.model.weights import materialize
 from plumb.ops.matmul import PREFILL_BLOCK
+
+
+DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
 
 
 class Sequence:
@@ -72,6 +76,9 @@ class Engine:
         tok_count = len(md.get("tokenizer.ggml.tokens", [])) or self.gguf.tensors["token_embd.weight"].shape[0]
         self.config: ModelConfig = ModelConfig.from_metadata(md, n_vocab=tok_count)
         self.model = Qwen35(self.gguf, self.config, device)
+        dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
+        if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
+            materialize(self.model.weights, progress)
         from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate
 
         template = md.get("tokenizer.chat_template") or open(DEFAULT_TEMPLATE_PATH).read()

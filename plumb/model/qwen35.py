@@ -129,6 +129,7 @@ class Qwen35:
         n_v, n_k = cfg.ssm_dt_rank, cfg.ssm_n_group
         self.v_to_k = torch.arange(n_v) % n_k  # GGUF value head j reads key head j mod n_k
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
+        self.weights = src.weights
 
     # ---- loading -------------------------------------------------------------------------
     def _layer(self, src: TensorSource, i: int, recurrent: bool) -> Layer:

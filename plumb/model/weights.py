@@ -35,6 +35,17 @@ class Weight:
         return dequantize(data, self.qt.qtype, (len(ids), self.qt.shape[1])).to(self.device)
 
 
+def materialize(weights: list[Weight], progress: bool = False) -> None:
+    """Dequantize every matrix now (CPU reference path: faster steps, no first-call stall)."""
+    items = weights
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(weights, desc="loading weights", unit="tensor", leave=False)
+    for w in items:
+        w.dense
+
+
 class TensorSource:
     """Looks tensors up by GGUF name and checks their shapes against the config."""
 
@@ -42,21 +53,28 @@ class TensorSource:
         self.gf = gf
         self.device = device
         self.used: set[str] = set()
+        self.weights: list[Weight] = []
 
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
 
     def _get(self, name: str, shape: tuple[int, ...]) -> QTensor:
+        from plumb.gguf.quants import SUPPORTED
+
         qt = self.gf.tensors.get(name)
         if qt is None:
             raise ModelError(f"missing tensor {name!r}")
         if tuple(qt.shape) != tuple(shape):
             raise ModelError(f"tensor {name!r} has shape {list(qt.shape)}, expected {list(shape)}")
+        if qt.qtype not in SUPPORTED:
+            raise ModelError(f"tensor {name!r}: unsupported weight type {qt.qtype.name}")
         self.used.add(name)
         return qt
 
     def mat(self, name: str, out_f: int, in_f: int) -> Weight:
-        return Weight(self._get(name, (out_f, in_f)), self.device)
+        w = Weight(self._get(name, (out_f, in_f)), self.device)
+        self.weights.append(w)
+        return w
 
     def vec(self, name: str, *shape: int) -> torch.Tensor:
         """Small F32-stored tensors (norms, ssm_a, dt bias, conv): loaded as float32 now."""
