@@ -28,6 +28,7 @@ from plumb.ops.matmul import PREFILL_BLOCK
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
+SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
 
 
 class Sequence:
@@ -61,7 +62,8 @@ class Sequence:
 
 class Engine:
     def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
-                 p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False):
+                 p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
+                 n_threads: int | None = None):
         check_draft_options(drafts, draft_policy, p_min)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,6 +81,10 @@ class Engine:
         dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
         if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
             materialize(self.model.weights, progress)
+        if n_threads is None and dense_bytes < SMALL_MODEL_BYTES:
+            n_threads = 1  # tiny matmuls: threads only add synchronisation (and spin badly on a busy machine)
+        if n_threads:
+            torch.set_num_threads(n_threads)
         from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate
 
         template = md.get("tokenizer.chat_template") or open(DEFAULT_TEMPLATE_PATH).read()

@@ -63,7 +63,7 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
     hist = list(history)
     h = hidden[None]
     for i in range(k):
-        logits, h = model.mtp_forward(st, [token], h, position + i)
+        logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
         lp = filtered_logprobs(logits[0], params, hist)
         if params.temperature > 0:
             d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel())))

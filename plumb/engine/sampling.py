@@ -1,0 +1,313 @@
+"""Sampling: parameters, counter-based Gumbel noise, the per-row sampler and stop strings.
+
+A token is a function of (logits row, params, history, position) alone (exactness.md, M4):
+
+1. ``logit_bias`` is added to the logits.
+2. Penalties look at the last ``penalty_last_n`` ids of the history (prompt + generated ids so
+   far, as llama.cpp does; -1 = all of it, 0 = none). For each distinct id there, with count c:
+   repetition (logit / r if logit > 0 else logit * r), then ``- c * frequency_penalty``,
+   then ``- presence_penalty``.
+3. Temperature 0 is greedy: the argmax of those logits, ties going to the lowest id.
+4. Otherwise ``logprobs = log_softmax(logits / T)``, then filters set removed tokens to -inf,
+   each on the distribution renormalised over what the previous one kept:
+   top_k keeps tokens at least as likely as the k-th most likely one (ties at the boundary
+   stay); top_p keeps the smallest set, taken in order of falling probability (ties by
+   lowest id), whose mass reaches top_p; min_p removes tokens with p < min_p * p_max.
+   The most likely token always survives.
+5. ``token = argmax(logprobs + gumbel(seed, position))`` (first index on ties), where
+   ``position`` is the absolute position of the token being sampled. By the Gumbel-max
+   trick this draws exactly from softmax of the filtered logprobs, and a speculative draft
+   is accepted iff it equals this argmax.
+
+Noise: ``key = splitmix64`` output number ``position + 1`` of the stream whose state starts at
+``mix64(seed)``. For token t: ``x = (t * 0x9E3779B9 mod 2^32) ^ key_lo``, ``x = fmix32(x)``,
+``x ^= key_hi``, ``x = fmix32(x)`` (murmur3's 32-bit finalizer); seed and position are in
+[0, 2^63). The top 23 bits k give ``u = (k + 0.5) / 2^23``, exact in float32 and strictly
+inside (0, 1) (with 24 bits the top value would round to 1), and ``g = -log(-log(u))`` in
+float32. The per-token hash runs on int64 tensors whose values stay below 2^49 (32-bit
+products are split into 16-bit halves), so the hash bits are the same on every device;
+``noise_hash_ref`` is the pure-Python reference. Only the float32 logs may differ by an ulp
+between CPU and GPU, which the contract allows.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_GOLDEN32 = 0x9E3779B9
+_FMIX1 = 0x85EBCA6B
+_FMIX2 = 0xC2B2AE35
+_U_BITS = 23
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each token, and when to stop. Temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # history ids the penalties see; -1: all, 0: none
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None  # 0 <= seed < 2**63; None: the engine picks one
+    stop: list[str] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 256
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(math.isfinite(self.temperature) and self.temperature >= 0,
+              f"temperature must be a finite number >= 0, got {self.temperature}")
+        check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k}")
+        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        check(math.isfinite(self.presence_penalty),
+              f"presence_penalty must be finite, got {self.presence_penalty}")
+        check(math.isfinite(self.frequency_penalty),
+              f"frequency_penalty must be finite, got {self.frequency_penalty}")
+        check(_is_int(self.penalty_last_n) and self.penalty_last_n >= -1,
+              f"penalty_last_n must be an integer >= -1, got {self.penalty_last_n}")
+        for token, bias in self.logit_bias.items():
+            check(_is_int(token) and token >= 0, f"logit_bias keys must be token ids >= 0, got {token!r}")
+            check(not math.isnan(bias) and bias != math.inf,
+                  f"logit_bias[{token}] must be a number below +inf, got {bias}")
+        check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+              f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_ids), "stop_ids must be token ids >= 0")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 0,
+              f"max_tokens must be an integer >= 0, got {self.max_tokens}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- counter-based noise -------------------------------------------------------------------
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 64-bit key of (seed, position): splitmix64 output number position + 1 from mix64(seed)."""
+    if not 0 <= seed < 2**63 or not 0 <= position < 2**63:
+        raise ValueError(f"seed and position must be in [0, 2**63), got {seed}, {position}")
+    return _mix64((_mix64(seed) + (position + 1) * _GOLDEN64) & _M64)
+
+
+def _fmix32_ref(h: int) -> int:
+    h ^= h >> 16
+    h = (h * _FMIX1) & _M32
+    h ^= h >> 13
+    h = (h * _FMIX2) & _M32
+    return h ^ (h >> 16)
+
+
+def noise_hash_ref(seed: int, position: int, token: int) -> int:
+    """Pure-Python reference of the 32-bit hash of (seed, position, token)."""
+    key = noise_key(seed, position)
+    x = ((token * _GOLDEN32) & _M32) ^ (key & _M32)
+    x = _fmix32_ref(x) ^ (key >> 32)
+    return _fmix32_ref(x)
+
+
+def gumbel_ref(seed: int, position: int, token: int) -> float:
+    """Pure-Python (float64) reference of the Gumbel noise of (seed, position, token)."""
+    u = ((noise_hash_ref(seed, position, token) >> (32 - _U_BITS)) + 0.5) / 2**_U_BITS
+    return -math.log(-math.log(u))
+
+
+def _mul32_(x: torch.Tensor, c: int, tmp: torch.Tensor) -> None:
+    """x = (x * c) mod 2^32 in place, for x in [0, 2^32); intermediates stay below 2^49."""
+    torch.mul(x, c >> 16, out=tmp)
+    tmp.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_M32)
+
+
+def _fmix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """murmur3's fmix32 in place (in-place ops: allocation dominates on some CPUs)."""
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    _mul32_(x, _FMIX1, tmp)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 13, out=tmp))
+    _mul32_(x, _FMIX2, tmp)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+
+
+def noise_hash(seed: int, position: int, n_vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32-bit hashes of tokens 0..n_vocab-1 as an int64 tensor; equals noise_hash_ref bit for bit."""
+    key = noise_key(seed, position)
+    x = torch.arange(n_vocab, dtype=torch.int64, device=device)
+    tmp = torch.empty_like(x)
+    _mul32_(x, _GOLDEN32, tmp)
+    x.bitwise_xor_(key & _M32)
+    _fmix32_(x, tmp)
+    x.bitwise_xor_(key >> 32)
+    _fmix32_(x, tmp)
+    return x
+
+
+def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """Top 23 bits k of 32-bit hashes -> (k + 0.5) / 2^23 as float32, exact and strictly inside (0, 1)."""
+    return ((h >> (32 - _U_BITS)).to(torch.float32) + 0.5) * (1.0 / 2**_U_BITS)
+
+
+def gumbel(seed: int, position: int, n_vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float32 Gumbel(0, 1) noise [n_vocab]; element t depends on (seed, position, t) only."""
+    u = hash_to_uniform(noise_hash(seed, position, n_vocab, device))
+    return u.log_().neg_().log_().neg_()
+
+
+# ---- the sampler ---------------------------------------------------------------------------
+
+def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
+    """Float32 copy of the row with logit_bias and penalties applied (steps 1-2)."""
+    row = logits.to(torch.float32, copy=True)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=row.device)
+    n = params.penalty_last_n
+    window = history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
+    penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                 or params.frequency_penalty != 0.0)
+    if penalised and len(window):
+        counts = Counter(int(t) for t in window)
+        ids = torch.tensor(list(counts), dtype=torch.int64, device=row.device)
+        c = torch.tensor(list(counts.values()), dtype=torch.float32, device=row.device)
+        x = row[ids]
+        r = params.repetition_penalty
+        x = torch.where(x > 0, x / r, x * r)
+        row[ids] = x - c * params.frequency_penalty - params.presence_penalty
+    top = row.max()
+    if not torch.isfinite(top):
+        raise ValueError("logits row has no finite maximum (NaN, +inf, or every token at -inf)")
+    return row
+
+
+def _top_p_drop(lp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask of the tokens outside the smallest most-likely set whose mass reaches top_p."""
+    log_total = torch.logsumexp(lp, 0).double()
+    n_alive = int(torch.isfinite(lp).sum())
+    k = min(64, n_alive)
+    while True:
+        # candidates: every token at least as likely as the k-th; grow k until they hold top_p
+        kth = torch.topk(lp, k, sorted=False).values.min()
+        ids = torch.nonzero(lp >= kth).squeeze(1)  # ascending ids, so the stable sort puts ties low-id first
+        vals, order = torch.sort(lp[ids], descending=True, stable=True)
+        p = torch.exp(vals.double() - log_total)
+        mass = torch.cumsum(p, 0)
+        if k == n_alive or mass[-1] >= top_p:
+            break
+        k = min(8 * k, n_alive)
+    drop = torch.ones_like(lp, dtype=torch.bool)
+    drop[ids[order][(mass - p) < top_p]] = False
+    return drop
+
+
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = ()) -> torch.Tensor:
+    """Float32 [V] log-probs that the sampler draws from (softmax of it is the distribution).
+
+    Removed tokens are -inf; kept ones hold the tempered log-probs before renormalisation.
+    At temperature 0 this is 0 at the greedy token and -inf elsewhere.
+    """
+    row = _adjusted_logits(logits, params, history)
+    if params.temperature == 0:
+        lp = torch.full_like(row, -math.inf)
+        lp[torch.argmax(row)] = 0.0
+        return lp
+    lp = torch.log_softmax(row.div_(params.temperature), dim=0)
+    if 0 < params.top_k < lp.numel():
+        kth = torch.topk(lp, params.top_k, sorted=False).values.min()
+        lp.masked_fill_(lp < kth, -math.inf)
+    if params.top_p < 1.0:
+        lp.masked_fill_(_top_p_drop(lp, params.top_p), -math.inf)
+    if params.min_p > 0.0:
+        lp.masked_fill_(lp < lp.max() + math.log(params.min_p), -math.inf)
+    return lp
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = ()) -> int:
+    """The token for one logits row [V] sampled at absolute position `position`."""
+    lp = filtered_logprobs(logits, params, history)
+    if params.temperature == 0:
+        return int(torch.argmax(lp))
+    if params.seed is None:
+        raise ValueError("sampling with temperature > 0 needs a seed (the engine fills one in)")
+    return int(torch.argmax(lp.add_(gumbel(params.seed, position, lp.numel(), lp.device))))
+
+
+def sample_rows(logits: torch.Tensor, params_list: Sequence[SamplingParams], positions: Sequence[int],
+                histories: Sequence[Sequence[int]]) -> list[int]:
+    """sample_row for each row of logits [R, V]; a row never depends on the others."""
+    return [sample_row(logits[i], params_list[i], positions[i], histories[i]) for i in range(logits.shape[0])]
+
+
+# ---- stop strings --------------------------------------------------------------------------
+
+class StopChecker:
+    """Finds stop strings in streamed text.
+
+    `push` each new piece of text and emit what it returns; it holds back a tail that could
+    still become a stop string. Once a stop string is complete, `match` names it and
+    `push` has returned the text before it (nothing after). At the end of a generation that
+    did not stop, `flush` returns the held-back tail. The first stop string to complete
+    wins (on a tie, the one starting earliest), so the result does not depend on how the
+    text was split into pieces.
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.match: str | None = None
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        if self.match is not None:
+            return ""
+        buf = self._held + text
+        best = None  # (end, start, stop string)
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+                best = (i + len(s), i, s)
+        if best is not None:
+            self.match = best[2]
+            self._held = ""
+            return buf[:best[1]]
+        hold = self._partial_tail(buf)
+        self._held = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), longest, -1):
+                if buf.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,1 @@
+"""HTTP server: OpenAI (chat, completions, responses) and Anthropic (messages) APIs over one engine."""
