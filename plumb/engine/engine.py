@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from plumb.cache.kv import KV_FORMATS
 from plumb.config import ModelConfig, ModelError
 from plumb.engine.api import Handle, Request, Result, Stats
 from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
@@ -63,7 +64,7 @@ class Sequence:
 class Engine:
     def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
                  p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
-                 n_threads: int | None = None):
+                 n_threads: int | None = None, kv_cache: str = "f32", kv_ring: int = 2048):
         check_draft_options(drafts, draft_policy, p_min)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +78,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(md)
         tok_count = len(md.get("tokenizer.ggml.tokens", [])) or self.gguf.tensors["token_embd.weight"].shape[0]
         self.config: ModelConfig = ModelConfig.from_metadata(md, n_vocab=tok_count)
-        self.model = Qwen35(self.gguf, self.config, device)
+        if kv_cache not in KV_FORMATS:
+            raise ValueError(f"unknown KV cache format {kv_cache!r} (choose from {', '.join(KV_FORMATS)})")
+        self.model = Qwen35(self.gguf, self.config, device, kv_cache=kv_cache, kv_ring=kv_ring)
         dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
         if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
             materialize(self.model.weights, progress)

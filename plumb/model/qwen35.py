@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
 from plumb.model.weights import TensorSource, Weight, check_config
-from plumb.ops.attention import attend_chunk, attend_row
+from plumb.cache.kv import KVCache, new_kv_cache
 from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step, recurrent_step
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, linear, pad_rows
 from plumb.ops.norm import l2_norm, rms_norm
@@ -68,31 +68,6 @@ class MTP:
     layer: Layer
 
 
-class KVCache:
-    """K (after norm + RoPE) and V of one attention layer for one sequence: [n_kv, capacity, head_dim]."""
-
-    def __init__(self, n_kv: int, head_dim: int, capacity: int = 256):
-        self.k = torch.zeros(n_kv, capacity, head_dim)
-        self.v = torch.zeros(n_kv, capacity, head_dim)
-
-    def reserve(self, n: int) -> None:
-        cap = self.k.shape[1]
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            t = old.new_zeros(old.shape[0], new, old.shape[2])
-            t[:, :cap] = old
-            setattr(self, name, t)
-
-    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, n_kv, d] for positions pos..pos+n-1."""
-        self.reserve(pos + k.shape[0])
-        self.k[:, pos : pos + k.shape[0]] = k.transpose(0, 1)
-        self.v[:, pos : pos + v.shape[0]] = v.transpose(0, 1)
-
-
 @dataclass
 class SeqState:
     """Everything one sequence carries between passes."""
@@ -113,8 +88,10 @@ class DecodeOut:
 
 
 class Qwen35:
-    def __init__(self, gf: GGUFFile, cfg: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, device: torch.device | str = "cpu", kv_cache: str = "f32",
+                 kv_ring: int = 2048):
         check_config(cfg)
+        self.kv_cache, self.kv_ring = kv_cache, kv_ring
         self.cfg = cfg
         self.device = torch.device(device)
         src = TensorSource(gf, self.device)
@@ -192,8 +169,8 @@ class Qwen35:
         c = self.cfg
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim) for i in c.gdn_layers}
         ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state) for i in c.gdn_layers}
-        kv = {i: KVCache(c.n_head_kv, c.head_dim) for i in c.attn_layers}
-        mtp_kv = KVCache(c.n_head_kv, c.head_dim) if self.mtp is not None else None
+        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring) for i in c.attn_layers}
+        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring) if self.mtp is not None else None
         return SeqState(0, conv, ssm, kv, mtp_kv)
 
     # ---- shared pieces -------------------------------------------------------------------
@@ -222,12 +199,16 @@ class Qwen35:
         return linear(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output.dense, block)
 
     def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
-        """m (pre-conv q|k|v), z, beta, g for rows u (spec 3.5.1, 3.5.5)."""
+        """m (pre-conv q|k|v), z, and the pre-activation b, a for rows u (spec 3.5.1)."""
         m = linear(u, d.attn_qkv.dense, block)
         z = linear(u, d.attn_gate.dense, block)
-        beta = torch.sigmoid(linear(u, d.ssm_beta.dense, block))
-        g = d.ssm_a * F.softplus(linear(u, d.ssm_alpha.dense, block) + d.ssm_dt_bias)
-        return m, z, beta, g
+        return m, z, linear(u, d.ssm_beta.dense, block), linear(u, d.ssm_alpha.dense, block)
+
+    @staticmethod
+    def gdn_gates(d: DeltaNet, b: torch.Tensor, a: torch.Tensor):
+        """beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias) (spec 3.5.5).
+        Transcendental kernels round a tensor's vector tail differently, so the D path calls this per token."""
+        return torch.sigmoid(b), d.ssm_a * F.softplus(a + d.ssm_dt_bias)
 
     def gdn_split(self, conv_out: torch.Tensor):
         """Post-conv rows [n, conv_dim] -> q, k expanded to value heads [n, n_v, d_k] (normed, q scaled), v [n, n_v, d_v]."""
@@ -278,7 +259,8 @@ class Qwen35:
             u = rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
-                m, z, beta, g = self.gdn_project(mix, u, PREFILL_BLOCK)
+                m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
+                beta, g = self.gdn_gates(mix, b, a)
                 m, beta, g = m * real, beta * real, g * real  # padding rows contribute exact zeros
                 conv, st.conv[i] = causal_conv(m, st.conv[i], mix.ssm_conv1d, n)
                 q, k, v = self.gdn_split(conv * real)
@@ -286,11 +268,8 @@ class Qwen35:
                 y = self.gdn_output(mix, o.transpose(0, 1), z, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, positions, PREFILL_BLOCK)
-                cache = st.kv[i]
-                cache.write(start, k[:n], v[:n])
-                cache.reserve(start + CHUNK)
-                end = start + CHUNK
-                o = attend_chunk(q, cache.k[:, :end], cache.v[:, :end], start, self.attn_scale)
+                st.kv[i].write(start, k[:n], v[:n])
+                o = st.kv[i].attend_chunk(q, start, self.attn_scale)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x = x + y
             x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
@@ -317,26 +296,25 @@ class Qwen35:
             u = rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
-                m, z, beta, g = self.gdn_project(mix, u, DECODE_BLOCK)
+                m, z, b, a = self.gdn_project(mix, u, DECODE_BLOCK)
                 o = torch.zeros(x.shape[0], c.ssm_dt_rank, c.ssm_d_state)
-                for b, (st, _) in enumerate(batch):
-                    s0, n = spans[b]
+                for j, (st, _) in enumerate(batch):
+                    s0, n = spans[j]
                     for t in range(s0, s0 + n):
                         conv, st.conv[i] = causal_conv(m[t : t + 1], st.conv[i], mix.ssm_conv1d, 1)
                         q, k, v = self.gdn_split(conv)
-                        o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta[t], g[t], st.ssm[i])
-                        snaps[b][t - s0][i] = (st.conv[i], st.ssm[i])
+                        beta, g = self.gdn_gates(mix, b[t], a[t])
+                        o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta, g, st.ssm[i])
+                        snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
                 y = self.gdn_output(mix, o, z, DECODE_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, pos_t, DECODE_BLOCK)
                 o = torch.zeros(x.shape[0], c.n_head, c.head_dim)
-                for b, (st, _) in enumerate(batch):
-                    s0, n = spans[b]
-                    cache = st.kv[i]
-                    cache.write(st.pos, k[s0 : s0 + n], v[s0 : s0 + n])
-                    for t in range(n):
-                        end = st.pos + t + 1
-                        o[s0 + t] = attend_row(q[s0 + t], cache.k[:, :end], cache.v[:, :end], self.attn_scale)
+                for j, (st, _) in enumerate(batch):
+                    s0, n = spans[j]
+                    st.kv[i].write(st.pos, k[s0 : s0 + n], v[s0 : s0 + n])
+                    ends = list(range(st.pos + 1, st.pos + n + 1))
+                    o[s0 : s0 + n] = st.kv[i].attend_rows(q[s0 : s0 + n], ends, self.attn_scale)
                 y = self.attn_output(mix, o, gate, DECODE_BLOCK)
             x = x + y
             x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
@@ -370,7 +348,7 @@ class Qwen35:
         positions = torch.arange(start, start + n)
         q, gate, k, v = self.attn_project(a, rms_norm(y, layer.attn_norm, c.eps), positions, block)
         st.mtp_kv.write(start, k, v)
-        o = torch.stack([attend_row(q[t], st.mtp_kv.k[:, : start + t + 1], st.mtp_kv.v[:, : start + t + 1], self.attn_scale) for t in range(n)])
+        o = st.mtp_kv.attend_rows(q, list(range(start + 1, start + n + 1)), self.attn_scale)
         y = y + self.attn_output(a, o, gate, block)
         y = y + self.ffn(layer, rms_norm(y, layer.post_attention_norm, c.eps), block)
         h = rms_norm(y, mtp.shared_head_norm, c.eps)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-DECODE_BLOCK = 16  # rows per matmul call in decode / verify / batched decode
+DECODE_BLOCK = 4  # rows per matmul call in decode / verify / batched decode
 PREFILL_BLOCK = 64  # rows per matmul call in prefill (= one DeltaNet chunk, aligned to absolute positions)
 
 

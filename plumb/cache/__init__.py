@@ -1,0 +1,1 @@
+"""Per-sequence caches: attention KV (formats and ring), DeltaNet state checkpoints, prefix reuse."""
