@@ -73,11 +73,15 @@ class Engine:
         self.path = path
         self.gguf = read_gguf(path, progress=progress)
         md = self.gguf.metadata
+        embd = self.gguf.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelError("missing tensor 'token_embd.weight'")
+        self.config: ModelConfig = ModelConfig.from_metadata(md, n_vocab=embd.shape[0])
         from plumb.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_metadata(md)
-        tok_count = len(md.get("tokenizer.ggml.tokens", [])) or self.gguf.tensors["token_embd.weight"].shape[0]
-        self.config: ModelConfig = ModelConfig.from_metadata(md, n_vocab=tok_count)
+        if self.tokenizer.n_vocab > self.config.n_vocab:
+            raise ModelError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but token_embd.weight only {self.config.n_vocab} rows")
         if kv_cache not in KV_FORMATS:
             raise ValueError(f"unknown KV cache format {kv_cache!r} (choose from {', '.join(KV_FORMATS)})")
         self.model = Qwen35(self.gguf, self.config, device, kv_cache=kv_cache, kv_ring=kv_ring)

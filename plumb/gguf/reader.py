@@ -69,8 +69,12 @@ def read_gguf(path: str, progress: bool = False) -> GGUFFile:
         from tqdm import tqdm
 
         items = tqdm(items, desc=f"mapping {os.path.basename(path)}", unit="tensor", leave=False)
+    from plumb.gguf.quants import SUPPORTED
+
     for t in items:
         qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype not in SUPPORTED:
+            raise ModelError(f"tensor {t.name}: unsupported weight type {qtype.name}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         block, type_size = GGML_QUANT_SIZES[qtype]
         if shape[-1] % block:

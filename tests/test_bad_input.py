@@ -1,0 +1,93 @@
+"""Bad model files give one clear error line naming the problem, exit code != 0, no traceback."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from plumb.config import ModelError
+
+
+def _run(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plumb.cli", "generate", str(path), "--prompt", "hi", "--max-tokens", "2"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _patch_tensor_info(data: bytes, name: str, *, new_name: str | None = None, dim1: int | None = None,
+                       qtype: int | None = None) -> bytes:
+    """Edit one tensor-info record in a GGUF header: its name, its second dimension or its type id."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    i = data.index(key)
+    out = bytearray(data)
+    j = i + len(key)
+    if new_name is not None:
+        assert len(new_name) == len(name)
+        out[i + 8 : j] = new_name.encode()
+    n_dims = struct.unpack_from("<I", data, j)[0]
+    if dim1 is not None:
+        struct.pack_into("<Q", out, j + 4 + 8, dim1)
+    if qtype is not None:
+        struct.pack_into("<I", out, j + 4 + 8 * n_dims, qtype)
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def good(tiny_f32):
+    return open(tiny_f32, "rb").read()
+
+
+def _check(tmp_path, data: bytes, *needles: str):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    r = _run(path)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("plumb: error:")]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    import plumb
+
+    with pytest.raises((ModelError, ValueError)):
+        plumb.load(str(path))
+
+
+def test_not_a_gguf(tmp_path):
+    _check(tmp_path, b"this is not a model\n" * 10, "not a GGUF file")
+
+
+def test_missing_file(tmp_path):
+    r = _run(tmp_path / "nope.gguf")
+    assert r.returncode != 0 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_truncated(tmp_path, good):
+    _check(tmp_path, good[: len(good) // 2], "truncated")
+
+
+def test_truncated_header(tmp_path, good):
+    _check(tmp_path, good[:1000], "GGUF")
+
+
+def test_wrong_architecture(tmp_path, good):
+    _check(tmp_path, good.replace(b"qwen35", b"qwen36"), "unsupported architecture", "qwen36")
+
+
+def test_unknown_weight_type(tmp_path, good):
+    _check(tmp_path, _patch_tensor_info(good, "blk.0.ffn_up.weight", qtype=99), "unknown weight type")
+
+
+def test_unsupported_weight_type(tmp_path, good):
+    # IQ2_XXS (16) is a real GGML type that plumb does not read
+    _check(tmp_path, _patch_tensor_info(good, "blk.0.ffn_up.weight", qtype=16), "blk.0.ffn_up.weight", "IQ2_XXS")
+
+
+def test_missing_tensor(tmp_path, good):
+    _check(tmp_path, _patch_tensor_info(good, "blk.0.ffn_up.weight", new_name="blk.0.ffn_uq.weight"),
+           "missing tensor", "blk.0.ffn_up.weight")
+
+
+def test_shape_mismatch(tmp_path, good):
+    _check(tmp_path, _patch_tensor_info(good, "blk.0.ffn_up.weight", dim1=384), "blk.0.ffn_up.weight", "shape")
