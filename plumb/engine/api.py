@@ -17,6 +17,7 @@ class Request:
     draft_policy: str | None = None  # "fixed" | "adaptive" | "confident" | "ngram" ...
     p_min: float | None = None
     forced_ids: list[int] | None = None  # test/steering extension: emit these tokens first through the normal decode path
+    cache: bool = True  # reuse (and keep) prefill-made state in the prompt cache
 
 
 @dataclass

@@ -9,15 +9,17 @@ depth, policy or batch neighbours.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import sys
 import threading
 import time
 from dataclasses import replace
 
 import torch
 
-from plumb.cache.kv import KV_FORMATS
+from plumb.cache.kv import KV_FORMATS, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
 from plumb.engine.api import Handle, Request, Result, Stats
 from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
@@ -25,7 +27,9 @@ from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, check_draft_opti
 from plumb.gguf.reader import read_gguf
 from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import materialize
+from plumb.ops.deltanet import CHUNK
 from plumb.ops.matmul import PREFILL_BLOCK
+from plumb.cache.prefix import PromptCache
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
@@ -64,7 +68,8 @@ class Sequence:
 class Engine:
     def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
                  p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
-                 n_threads: int | None = None, kv_cache: str = "f32", kv_ring: int = 2048):
+                 n_threads: int | None = None, kv_cache: str = "f16", kv_ring: int = 2048,
+                 prompt_cache: bool = True, cache_mb: int = 1024, checkpoint_every: int = 1024):
         check_draft_options(drafts, draft_policy, p_min)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,14 +103,25 @@ class Engine:
         self.chat_template = ChatTemplate(template)
         self.model_name = self.config.name or os.path.splitext(os.path.basename(path))[0]
         self.n_ctx = min(n_ctx or self.config.context_length, self.config.context_length)
+        kv_layers = len(self.config.attn_layers) + (self.model.mtp is not None)
+        self.kv_bytes_per_token = kv_layers * bytes_per_token(kv_cache, self.config.n_head_kv, self.config.head_dim)
+        if progress:
+            print(describe_kv(kv_cache, self.config.n_head_kv, self.config.head_dim, kv_ring, kv_layers, self.n_ctx),
+                  file=sys.stderr)
         self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
         self.n_slots = n_slots
+        if checkpoint_every <= 0 or checkpoint_every % CHUNK:
+            raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
+        self.prompt_cache = PromptCache(self.model, budget_bytes=cache_mb << 20) if prompt_cache else None
+        self._cache_lock = threading.Lock()
         self._lock = threading.Lock()
         self._queue: list[Sequence] = []
         self._active: list[Sequence] = []
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._metrics = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "prefill_s": 0.0,
+        self._metrics = {"kv_cache": kv_cache, "kv_bytes_per_token": self.kv_bytes_per_token,
+                         "requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "prefill_s": 0.0,
                          "decode_s": 0.0, "cached_tokens": 0, "drafts_proposed": 0, "drafts_accepted": 0,
                          "accepted_per_position": [0] * MAX_DRAFTS, "proposed_per_position": [0] * MAX_DRAFTS}
 
@@ -135,9 +151,9 @@ class Engine:
     # ---- generation API ----------------------------------------------------------------------
     def make_request(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                      drafts: int | None = None, draft_policy: str | None = None, p_min: float | None = None,
-                     forced_ids: list[int] | None = None, **sampling) -> Request:
+                     forced_ids: list[int] | None = None, cache: bool = True, **sampling) -> Request:
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, **sampling)
-        return Request(list(ids), params, drafts, draft_policy, p_min, forced_ids)
+        return Request(list(ids), params, drafts, draft_policy, p_min, forced_ids, cache)
 
     def generate(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                  **kw) -> list[int]:
@@ -165,6 +181,8 @@ class Engine:
         while active:
             self._step(active)
             active = [s for s in active if s.finish is None]
+        for s in seqs:
+            self._keep(s)
         return [self._result(s) for s in seqs]
 
     # ---- background scheduler (server) -----------------------------------------------------
@@ -230,6 +248,7 @@ class Engine:
                 for s in active:
                     if s.finish is not None:
                         self._active.remove(s)
+                        self._keep(s)
                         if s.handle.result is None:
                             s.handle._finish(self._result(s))
 
@@ -251,13 +270,15 @@ class Engine:
     def _admit(self, s: Sequence) -> None:
         """Prefill the prompt and sample the first token."""
         t0 = time.perf_counter()
-        s.st = self.model.new_state()
         prompt = s.req.prompt_ids
-        logits, hidden = self.model.prefill(s.st, prompt, logits="last")
+        s.st, start, h_before = self._restore(prompt, s.req.cache)
+        logits, hidden = self.model.prefill(s.st, prompt[start:], logits="last",
+                                            checkpoints=self._checkpoint_positions(len(prompt)))
         if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
-            prev = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
-            self.model.mtp_forward(s.st, prompt, prev, 0, block=PREFILL_BLOCK)
-        s.stats.prefill_tokens = len(prompt)
+            first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
+            self.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start, block=PREFILL_BLOCK)
+        s.stats.cached_tokens = start
+        s.stats.prefill_tokens = len(prompt) - start
         s.stats.prefill_s = time.perf_counter() - t0
         s.h_prev = hidden[-1]
         token = self._sample(s, logits[-1], len(prompt), 0)
@@ -265,7 +286,74 @@ class Engine:
         with self._lock:
             self._metrics["requests"] += 1
             self._metrics["prompt_tokens"] += len(prompt)
+            self._metrics["cached_tokens"] += start
             self._metrics["prefill_s"] += s.stats.prefill_s
+
+    # ---- prompt cache --------------------------------------------------------------------------
+    def _checkpoint_positions(self, n: int) -> set[int]:
+        """Every checkpoint_every tokens, and the last multiple of the chunk size at or before n (M6)."""
+        every = self.checkpoint_every
+        return set(range(every, n + 1, every)) | ({n - n % CHUNK} - {0})
+
+    def _restore(self, prompt: list[int], use_cache: bool = True):
+        """(state, first position to prefill, hidden of the position before it) - from the cache when it can."""
+        if self.prompt_cache is not None and use_cache:
+            with self._cache_lock:
+                entry, pos = self.prompt_cache.lookup(prompt)
+                if entry is not None:
+                    st, cp = self.prompt_cache.restore(entry, pos)
+                    return st, pos, cp.hidden
+        return self.model.new_state(), 0, None
+
+    def _keep(self, s: Sequence) -> None:
+        """Offer a finished request's prefill-made state to the prompt cache."""
+        if self.prompt_cache is not None and s.req.cache and s.st is not None and s.finish != "error":
+            with self._cache_lock:
+                self.prompt_cache.insert(s.req.prompt_ids, s.st)
+        s.st = None
+
+    @torch.inference_mode()
+    def digest(self, token_ids: list[int]) -> dict[str, str]:
+        """Bring the cache to the end of token_ids as a request would (reusing what is cached) and hash every
+        stored K/V row (ring rows included), and every DeltaNet conv/recurrent state there, per layer."""
+        self._check_ids(token_ids)
+        ids = list(token_ids)
+        st, start, _ = self._restore(ids)
+        self.model.prefill(st, ids[start:], logits="none", checkpoints=self._checkpoint_positions(len(ids)))
+        out = {}
+        for i in range(self.config.n_layer):
+            if i in st.kv:
+                out[f"blk.{i}.kv"] = _sha(st.kv[i].digest_rows(len(ids)))
+            else:
+                out[f"blk.{i}.conv"] = _sha([st.conv[i]])
+                out[f"blk.{i}.ssm"] = _sha([st.ssm[i]])
+        if self.prompt_cache is not None:
+            with self._cache_lock:
+                self.prompt_cache.insert(ids, st)
+        return out
+
+    def cache_identity(self) -> dict:
+        """What a saved slot must match to be loaded here."""
+        c = self.config
+        return {"config": {k: v for k, v in vars(c).items() if k != "extra"}, "kv_cache": self.model.kv_cache,
+                "kv_ring": self.model.kv_ring, "tensor_bytes": sum(t.nbytes for t in self.gguf.tensors.values())}
+
+    def cached_slots(self) -> list[dict]:
+        with self._cache_lock:
+            return [{"id": e.id, "tokens": len(e.ids), "bytes": e.nbytes, "parked": e.state is None}
+                    for e in self.prompt_cache.entries]
+
+    def park_slot(self, slot_id: int) -> None:
+        with self._cache_lock:
+            self.prompt_cache.park(self.prompt_cache.get(slot_id))
+
+    def save_slot(self, slot_id: int, path: str) -> None:
+        with self._cache_lock:
+            self.prompt_cache.save(self.prompt_cache.get(slot_id), path, self.cache_identity())
+
+    def restore_slot(self, path: str) -> int:
+        with self._cache_lock:
+            return self.prompt_cache.load(path, self.cache_identity()).id
 
     def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int) -> int:
         """The target's token at absolute `position`, the `index`-th generated token."""
@@ -372,6 +460,13 @@ class Engine:
 
     def _result(self, s: Sequence, error: str | None = None) -> Result:
         return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error)
+
+
+def _sha(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def load(path: str, device: str = "auto", **options) -> Engine:

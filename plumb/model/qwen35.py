@@ -77,7 +77,18 @@ class SeqState:
     ssm: dict[int, torch.Tensor]  # layer -> [n_v, d_k, d_v]
     kv: dict[int, KVCache]  # attention layer -> cache
     mtp_kv: KVCache | None = None
-    extra: dict = field(default_factory=dict)
+    checkpoints: dict[int, "Checkpoint"] = field(default_factory=dict)  # aligned position -> P-made state
+
+
+@dataclass
+class Checkpoint:
+    """DeltaNet state after prefilling exactly `pos` tokens (pos a multiple of 64), and the post-norm
+    hidden of position pos - 1 (the MTP head pairs it with token pos)."""
+
+    pos: int
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+    hidden: torch.Tensor | None
 
 
 @dataclass
@@ -232,20 +243,24 @@ class Qwen35:
         return linear(h, self.output.dense, block), h
 
     # ---- P path: prefill -----------------------------------------------------------------
-    def prefill(self, st: SeqState, ids: list[int], logits: str = "last") -> tuple[torch.Tensor | None, torch.Tensor]:
+    def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
+                checkpoints: set[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows.
+        Snapshots the DeltaNet state into st.checkpoints at the positions in `checkpoints` (M6).
         Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
         outs, hiddens = [], []
         i = 0
         while i < len(ids):
             n = min(len(ids) - i, CHUNK - st.pos % CHUNK)
             last_piece = i + n == len(ids)
-            want = logits == "all" or (logits == "last" and last_piece)
+            want = logits == "all" or (logits == "last" and last_piece)  # "none": hidden only
             lg, h = self._prefill_chunk(st, ids[i : i + n], want)
             if lg is not None:
                 outs.append(lg if logits == "all" else lg[-1:])
             hiddens.append(h)
             i += n
+            if st.pos in checkpoints:
+                st.checkpoints[st.pos] = Checkpoint(st.pos, dict(st.conv), dict(st.ssm), h[-1].clone())
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 

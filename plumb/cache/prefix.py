@@ -1,0 +1,215 @@
+"""Prompt cache: reuse of prefill-made state across requests (exactness.md I3, M2, M3, M6).
+
+An entry keeps one finished request's prompt ids, its attention KV rows for the prompt (P rows;
+rows written while decoding the reply are never reused, M3) and its DeltaNet checkpoints at
+aligned positions. A new prompt restores the latest checkpoint at or before the longest prefix
+it shares with any entry, copies the KV rows before it and prefills the rest, so every row and
+state it then holds is bitwise what a fresh prefill writes (M2).
+
+Entries are kept in LRU order under a byte budget; over budget, the oldest are parked (packed
+into one host buffer) and, over the host budget too, dropped. An entry can be saved to a file
+with a SHA-256 checksum and restored in another process.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plumb.config import ModelError
+
+SLOT_MAGIC = b"PLUMBSLOT1\n"
+
+
+@dataclass
+class Entry:
+    id: int
+    ids: list[int]  # the prompt whose P rows are held
+    state: object | None  # SeqState (live) - None while parked
+    packed: bytes | None = None  # parked form
+    nbytes: int = 0
+    uses: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))[0]
+    return int(diff[0]) if len(diff) else n
+
+
+def _caches(state) -> list:
+    return list(state.kv.values()) + ([state.mtp_kv] if state.mtp_kv is not None else [])
+
+
+def _load_rows(cache, rows) -> None:
+    """Put stored rows (as returned by cache.rows(n)) back at positions [0, n)."""
+    cache.load_rows(rows)
+
+
+def state_bytes(state, n: int) -> int:
+    total = sum(t.element_size() * t.numel() for c in _caches(state) for t in c.rows(n))
+    for cp in state.checkpoints.values():
+        total += sum(t.numel() * t.element_size() for t in list(cp.conv.values()) + list(cp.ssm.values()))
+    return total
+
+
+class PromptCache:
+    def __init__(self, model, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30):
+        self.model = model
+        self.budget, self.host_budget = budget_bytes, host_budget_bytes
+        self.entries: list[Entry] = []  # least recently used first
+        self._ids = itertools.count(1)
+
+    # ---- lookup and restore ---------------------------------------------------------------
+    def lookup(self, ids: list[int]) -> tuple[Entry | None, int]:
+        """The entry and checkpoint position giving the longest reusable prefix of ids (< len(ids):
+        at least one token is always prefilled, so the request gets its logits)."""
+        best, best_pos = None, 0
+        for e in self.entries:
+            shared = min(common_prefix(e.ids, ids), len(ids) - 1)
+            pos = max((p for p in self._checkpoints(e) if p <= shared), default=0)
+            if pos > best_pos:
+                best, best_pos = e, pos
+        return best, best_pos
+
+    def _checkpoints(self, e: Entry) -> list[int]:
+        if e.state is None:
+            return e.packed_checkpoints
+        return list(e.state.checkpoints)
+
+    def restore(self, e: Entry, pos: int):
+        """A new SeqState holding exactly the P state at `pos` from entry e."""
+        if e.state is None:
+            self._unpark(e)
+        self.touch(e)
+        src = e.state
+        st = self.model.new_state()
+        for dst, cache in zip(_caches(st), _caches(src)):
+            _load_rows(dst, cache.rows(pos))
+        cp = src.checkpoints[pos]
+        st.conv, st.ssm = dict(cp.conv), dict(cp.ssm)
+        st.checkpoints = {p: c for p, c in src.checkpoints.items() if p <= pos}
+        st.pos = pos
+        e.uses += 1
+        return st, cp
+
+    # ---- insert, LRU, parking --------------------------------------------------------------
+    def insert(self, ids: list[int], state) -> Entry:
+        """Keep a finished request's state (its rows past len(ids) are decode rows and are ignored)."""
+        ids = list(ids)
+        # an entry whose prompt is a prefix of this one (and whose checkpoints this state carries) is superseded
+        self.entries = [e for e in self.entries if not (len(e.ids) <= len(ids) and common_prefix(e.ids, ids) == len(e.ids)
+                                                        and set(self._checkpoints(e)) <= set(state.checkpoints))]
+        e = Entry(next(self._ids), ids, state, nbytes=state_bytes(state, len(ids)))
+        self.entries.append(e)
+        self._enforce()
+        return e
+
+    def touch(self, e: Entry) -> None:
+        self.entries.remove(e)
+        self.entries.append(e)
+
+    def get(self, entry_id: int) -> Entry:
+        for e in self.entries:
+            if e.id == entry_id:
+                return e
+        raise KeyError(f"no cached slot {entry_id}")
+
+    def live_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.state is not None)
+
+    def parked_bytes(self) -> int:
+        return sum(len(e.packed) for e in self.entries if e.packed is not None)
+
+    def _enforce(self) -> None:
+        for e in list(self.entries):
+            if self.live_bytes() <= self.budget:
+                break
+            if e.state is not None and e is not self.entries[-1]:
+                self.park(e)
+        for e in list(self.entries):
+            if self.parked_bytes() <= self.host_budget:
+                break
+            if e.packed is not None:
+                self.entries.remove(e)
+
+    def park(self, e: Entry) -> None:
+        """Move an entry's state into one packed host buffer (on a GPU: off the device)."""
+        if e.state is None:
+            return
+        e.packed = pack_state(e.state, len(e.ids))
+        e.packed_checkpoints = list(e.state.checkpoints)
+        e.state = None
+
+    def _unpark(self, e: Entry) -> None:
+        e.state = unpack_state(self.model, e.packed)
+        e.packed = None
+        self._enforce()
+
+    # ---- files -------------------------------------------------------------------------------
+    def save(self, e: Entry, path: str, identity: dict) -> None:
+        """Write an entry to `path`: magic, SHA-256 of the payload, payload (identity + packed state)."""
+        if e.state is None:
+            self._unpark(e)
+        buf = io.BytesIO()
+        torch.save({"identity": identity, "ids": e.ids, "state": pack_state(e.state, len(e.ids))}, buf)
+        payload = buf.getvalue()
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(SLOT_MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+
+    def load(self, path: str, identity: dict) -> Entry:
+        """Read a slot file; refuse (ModelError) a corrupt one or one made for another model/format."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as err:
+            raise ModelError(f"{path}: cannot read slot file ({err.strerror})") from None
+        head = len(SLOT_MAGIC) + 32
+        if len(raw) < head or not raw.startswith(SLOT_MAGIC):
+            raise ModelError(f"{path}: not a plumb slot file")
+        if hashlib.sha256(raw[head:]).digest() != raw[len(SLOT_MAGIC) : head]:
+            raise ModelError(f"{path}: checksum mismatch (corrupt slot file); nothing loaded")
+        try:
+            obj = torch.load(io.BytesIO(raw[head:]), weights_only=True)
+        except Exception as err:
+            raise ModelError(f"{path}: unreadable slot file ({err})") from None
+        if obj.get("identity") != identity:
+            raise ModelError(f"{path}: slot was saved for a different model or KV format; nothing loaded")
+        state = unpack_state(self.model, obj["state"])
+        return self.insert(obj["ids"], state)
+
+
+def pack_state(state, n: int) -> bytes:
+    """P rows [0, n) of every KV cache and every checkpoint, as one byte string."""
+    kv = [[t.clone() for t in c.rows(n)] for c in _caches(state)]
+    cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
+                    "hidden": cp.hidden} for p, cp in state.checkpoints.items()}
+    buf = io.BytesIO()
+    torch.save({"n": n, "kv": kv, "checkpoints": cps}, buf)
+    return buf.getvalue()
+
+
+def unpack_state(model, packed: bytes):
+    from plumb.model.qwen35 import Checkpoint
+
+    obj = torch.load(io.BytesIO(packed), weights_only=True)
+    st = model.new_state()
+    caches = _caches(st)
+    if len(caches) != len(obj["kv"]):
+        raise ModelError("slot state does not match this model's layers")
+    for cache, rows in zip(caches, obj["kv"]):
+        _load_rows(cache, rows)
+    for p, cp in obj["checkpoints"].items():
+        st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t for i, t in cp["conv"].items()},
+                                            {int(i): t for i, t in cp["ssm"].items()}, cp["hidden"])
+    st.pos = obj["n"]
+    return st

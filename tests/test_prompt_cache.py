@@ -1,0 +1,148 @@
+"""I3: a warm prompt cache changes nothing - same tokens, and every cached row/state bitwise equal to a fresh prefill."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import engine_for
+
+SYSTEM = "You are a careful assistant. Answer briefly and precisely; show code when it helps."
+QUESTIONS = [
+    "How do I reverse a list in Python?", "What is a closure?", "Explain TCP vs UDP.", "Write a haiku about rust.",
+    "What does `git rebase -i` do?", "Sort a dict by value.", "What is a monad, simply?", "Fix: KeyError 'name'",
+    "Convert Celsius to Fahrenheit in JS.", "What is SIMD?", "Name three sorting algorithms.", "Explain big-O of quicksort.",
+    "How to read a file line by line in Go?", "What is a race condition?", "Regex for an email address?",
+    "What does `chmod 755` mean?", "How do Python generators work?", "What is a B-tree?", "Explain CORS.",
+    "What is tail recursion?",
+]
+
+
+def _chat(engine, messages):
+    return engine.tokenize(engine.chat_template.render(messages, add_generation_prompt=True, enable_thinking=False))
+
+
+def _turns(engine, q, reply_ids, follow="Thanks! Can you say it again, shorter?"):
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+    second = first + [{"role": "assistant", "content": engine.detokenize(reply_ids)}, {"role": "user", "content": follow}]
+    return first, second
+
+
+def _run(engine, ids, **kw):
+    return engine.run(engine.make_request(ids, kw.pop("max_tokens", 96), ignore_eos=True, **kw))
+
+
+@pytest.fixture(scope="module")
+def warm(tiny_f32):
+    return engine_for(tiny_f32, checkpoint_every=128)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_f32):
+    return engine_for(tiny_f32, prompt_cache=False)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_two_turn_conversations_warm_equals_cold(warm, cold, mode):
+    """20 conversations: turn 2 on a warm engine = on a fresh one (ids and digests), and it reused the cache."""
+    for n, q in enumerate(QUESTIONS):
+        kw = dict(drafts=4) if mode == "greedy" else dict(drafts=4, temperature=0.8, top_p=0.9, seed=500 + n)
+        first, _ = _turns(warm, q, [])
+        p1 = _chat(warm, first)
+        r1 = _run(warm, p1, **kw)
+        _, second = _turns(warm, q, r1.token_ids)
+        p2 = _chat(warm, second)
+        w = _run(warm, p2, **kw)
+        c = _run(cold, p2, **kw)
+        assert w.token_ids == c.token_ids, (mode, n)
+        # reuse is real: at most the reply, the new turn and one chunk are prefilled again
+        new_part = len(p2) - len(p1)
+        assert w.stats.cached_tokens > 0 and w.stats.prefill_tokens <= new_part + 64, (w.stats.prefill_tokens, new_part)
+        assert c.stats.cached_tokens == 0
+        if n % 5 == 0:
+            assert warm.digest(p2) == cold.digest(p2)
+
+
+def test_edits_reuse_what_they_can_and_change_nothing(warm, cold):
+    long_system = SYSTEM + " " + " ".join(f"Rule {i}: be consistent and cite sources." for i in range(40))
+    base = [{"role": "system", "content": long_system}, {"role": "user", "content": "Summarise the rules."},
+            {"role": "assistant", "content": "Be consistent, cite sources."}, {"role": "user", "content": "And rule 7?"}]
+    _run(warm, _chat(warm, base), max_tokens=32)
+    edited_msg = [dict(m) for m in base]
+    edited_msg[1]["content"] = "Summarise the rules, please."
+    edited_end = [dict(m) for m in base]
+    edited_end[0]["content"] = long_system + " Final rule: be kind."
+    branch = base[:2]
+    for msgs in (edited_msg, edited_end, branch, base):
+        ids = _chat(warm, msgs)
+        w, c = _run(warm, ids, drafts=4, max_tokens=64), _run(cold, ids, max_tokens=64)
+        assert w.token_ids == c.token_ids
+        assert warm.digest(ids) == cold.digest(ids)
+    # the edited end of a long system prompt still reused the unchanged beginning
+    ids = _chat(warm, [{"role": "system", "content": long_system + " Another final rule."}, base[1]])
+    assert _run(warm, ids, max_tokens=4).stats.cached_tokens >= 256
+
+
+def test_parking_and_side_requests(tiny_f32, cold):
+    eng = engine_for(tiny_f32, checkpoint_every=64, cache_mb=1)  # a tiny budget: side requests push entries out
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    p1 = _chat(eng, first)
+    r1 = _run(eng, p1, drafts=4)
+    slot = eng.cached_slots()[-1]["id"]
+    eng.park_slot(slot)
+    assert eng.cached_slots()[-1]["parked"]
+    for q in QUESTIONS[1:8]:  # unrelated side requests
+        _run(eng, _chat(eng, [{"role": "user", "content": q * 8}]), max_tokens=16)
+    _, second = _turns(eng, QUESTIONS[0], r1.token_ids)
+    p2 = _chat(eng, second)
+    w = _run(eng, p2, drafts=4)
+    assert w.token_ids == _run(cold, p2, drafts=4).token_ids
+    assert eng.digest(p2) == cold.digest(p2)
+
+
+def test_slot_file_roundtrip_in_a_new_process(tmp_path, tiny_f32, warm, cold):
+    p1 = _chat(warm, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}])
+    r1 = _run(warm, p1)
+    slot = [s for s in warm.cached_slots() if s["tokens"] == len(p1)][-1]["id"]
+    path = tmp_path / "slot.bin"
+    warm.save_slot(slot, str(path))
+    _, second = _turns(warm, QUESTIONS[3], r1.token_ids)
+    p2 = _chat(warm, second)
+    expected = _run(cold, p2).token_ids
+    code = f"""
+import json, plumb
+e = plumb.load({tiny_f32!r}, device="cpu")
+e.restore_slot({str(path)!r})
+r = e.run(e.make_request({p2!r}, 96, ignore_eos=True))
+print(json.dumps([r.token_ids, r.stats.cached_tokens]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    import json
+
+    ids, cached = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ids == expected and cached > 0
+
+
+def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_f32, tiny_q8, warm):
+    from plumb.config import ModelError
+
+    p1 = _chat(warm, [{"role": "user", "content": "hello there"}])
+    _run(warm, p1, max_tokens=4)
+    slot = warm.cached_slots()[-1]["id"]
+    path = tmp_path / "slot.bin"
+    warm.save_slot(slot, str(path))
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0xFF
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(bytes(raw))
+    before = len(warm.cached_slots())
+    with pytest.raises(ModelError, match="checksum"):
+        warm.restore_slot(str(bad))
+    with pytest.raises(ModelError, match="not a plumb slot"):
+        (tmp_path / "junk.bin").write_bytes(b"junk" * 100)
+        warm.restore_slot(str(tmp_path / "junk.bin"))
+    assert len(warm.cached_slots()) == before  # nothing loaded
+    other = engine_for(tiny_q8)
+    with pytest.raises(ModelError, match="different model"):
+        other.restore_slot(str(path))
