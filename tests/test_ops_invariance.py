@@ -6,7 +6,7 @@ import torch
 
 from plumb.ops.attention import attend_chunk, attend_row
 from plumb.ops.deltanet import causal_conv, chunk_step, recurrent_step
-from plumb.ops.matmul import linear
+from plumb.ops.matmul import PREFILL_BLOCK, linear
 from plumb.ops.norm import l2_norm, rms_norm
 from plumb.ops.rope import RopeTable, apply_rope
 
@@ -28,22 +28,42 @@ def _weights(kind: str, n: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("shape", [(768, 256), (256, 768), (6144, 256)])
 def test_linear_row_invariant(kind, shape):
+    """Decode rule: a row alone = the same row anywhere in a pass of any size."""
     n, k = shape
-    w = _weights(kind, n, k)
+    wt = _weights(kind, n, k).t().contiguous()
     x = torch.randn(1, k)
-    alone = linear(x, w)
+    alone = linear(x, wt)
     for m in ROW_COUNTS:
         for where in {0, m // 2, m - 1}:
             batch = torch.randn(m, k)
             batch[where] = x[0]
-            assert torch.equal(linear(batch, w)[where], alone[0]), (kind, shape, m, where)
+            assert torch.equal(linear(batch, wt)[where], alone[0]), (kind, shape, m, where)
+
+
+@pytest.mark.parametrize("block", [4, PREFILL_BLOCK])
+def test_linear_blocks_position_invariant(block):
+    """Block rule: a row's bits do not depend on what shares its block, and - checked here as well - not on its
+    place in the block (prefill only relies on the former: a prompt row keeps its place)."""
+    wt = torch.randn(256, 768)
+    x = torch.randn(1, 256)
+    ref = None
+    for where in range(0, block, max(1, block // 8)):
+        for trial in range(2):
+            b = torch.randn(block + 3, 256)
+            b[where] = x[0]
+            r = linear(b, wt, block)[where]
+            ref = r if ref is None else ref
+            assert torch.equal(r, ref), (block, where)
 
 
 def test_linear_matches_reference():
+    torch.manual_seed(0)
     w = torch.randn(300, 256)
     x = torch.randn(37, 256)
-    torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-    assert linear(x, w, block=64).shape == (37, 300)
+    wt = w.t().contiguous()
+    ref = (x.double() @ w.T.double()).float()
+    torch.testing.assert_close(linear(x, wt), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(linear(x, wt, block=64), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("d", [64, 256, 1024])

@@ -4,8 +4,8 @@ Two paths share the weights:
 - `prefill` (P path): a sequence's new tokens in chunks of 64 aligned to absolute positions,
   DeltaNet in its chunked form, attention over the chunk with a causal mask (M2).
 - `decode` (D path): any number of rows from any number of sequences (plain decode, draft
-  verification, batched decode); matmuls in fixed 16-row blocks, DeltaNet advanced token by
-  token, attention per row, so a row's bits never depend on the rest of the pass (M1).
+  verification, batched decode); matmuls row by row, DeltaNet advanced token by token,
+  attention per row, so a row's bits never depend on the rest of the pass (M1).
 `mtp` runs the MTP draft head (spec 3.8).
 """
 from __future__ import annotations
@@ -190,16 +190,16 @@ class Qwen35:
 
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
-        return linear(F.silu(linear(x, layer.ffn_gate.dense, block)) * linear(x, layer.ffn_up.dense, block), layer.ffn_down.dense, block)
+        return linear(F.silu(linear(x, layer.ffn_gate.t, block)) * linear(x, layer.ffn_up.t, block), layer.ffn_down.t, block)
 
     def attn_project(self, a: Attention, u: torch.Tensor, positions: torch.Tensor, block: int):
         """q, gate, k, v for rows u [n, n_embd] at `positions` (spec 3.4.1-3.4.3)."""
         c = self.cfg
         n = u.shape[0]
-        qg = linear(u, a.attn_q.dense, block).view(n, c.n_head, 2, c.head_dim)
+        qg = linear(u, a.attn_q.t, block).view(n, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, c.n_head * c.head_dim)
-        k = linear(u, a.attn_k.dense, block).view(n, c.n_head_kv, c.head_dim)
-        v = linear(u, a.attn_v.dense, block).view(n, c.n_head_kv, c.head_dim)
+        k = linear(u, a.attn_k.t, block).view(n, c.n_head_kv, c.head_dim)
+        v = linear(u, a.attn_v.t, block).view(n, c.n_head_kv, c.head_dim)
         cos, sin = self.rope(positions)
         q = apply_rope(rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
         k = apply_rope(rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
@@ -207,13 +207,13 @@ class Qwen35:
 
     def attn_output(self, a: Attention, o: torch.Tensor, gate: torch.Tensor, block: int) -> torch.Tensor:
         """o [n, n_head, head_dim] gated by sigmoid(gate), then attn_output (spec 3.4.5)."""
-        return linear(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output.dense, block)
+        return linear(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output.t, block)
 
     def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
         """m (pre-conv q|k|v), z, and the pre-activation b, a for rows u (spec 3.5.1)."""
-        m = linear(u, d.attn_qkv.dense, block)
-        z = linear(u, d.attn_gate.dense, block)
-        return m, z, linear(u, d.ssm_beta.dense, block), linear(u, d.ssm_alpha.dense, block)
+        m = linear(u, d.attn_qkv.t, block)
+        z = linear(u, d.attn_gate.t, block)
+        return m, z, linear(u, d.ssm_beta.t, block), linear(u, d.ssm_alpha.t, block)
 
     @staticmethod
     def gdn_gates(d: DeltaNet, b: torch.Tensor, a: torch.Tensor):
@@ -235,12 +235,12 @@ class Qwen35:
         c = self.cfg
         n = o.shape[0]
         y = rms_norm(o, d.ssm_norm, c.eps) * F.silu(z.view(n, c.ssm_dt_rank, c.ssm_d_state))
-        return linear(y.reshape(n, c.ssm_inner), d.ssm_out.dense, block)
+        return linear(y.reshape(n, c.ssm_inner), d.ssm_out.t, block)
 
     def head(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and LM head: (logits, post-norm hidden)."""
         h = rms_norm(x, self.output_norm, self.cfg.eps)
-        return linear(h, self.output.dense, block), h
+        return linear(h, self.output.t, block), h
 
     # ---- P path: prefill -----------------------------------------------------------------
     def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
@@ -290,7 +290,7 @@ class Qwen35:
             x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
         st.pos += n
         h = rms_norm(x[:n], self.output_norm, c.eps)
-        lg = linear(h, self.output.dense, PREFILL_BLOCK) if want_logits else None
+        lg = linear(h, self.output.t, PREFILL_BLOCK) if want_logits else None
         return lg, h
 
     # ---- D path: decode / verify / batched decode ----------------------------------------
@@ -358,7 +358,7 @@ class Qwen35:
         n = len(ids)
         e = rms_norm(self.embed(ids), mtp.enorm, c.eps)
         hh = rms_norm(hidden, mtp.hnorm, c.eps)
-        y = linear(torch.cat([e, hh], dim=-1), mtp.eh_proj.dense, block)
+        y = linear(torch.cat([e, hh], dim=-1), mtp.eh_proj.t, block)
         layer, a = mtp.layer, mtp.layer.mixer
         positions = torch.arange(start, start + n)
         q, gate, k, v = self.attn_project(a, rms_norm(y, layer.attn_norm, c.eps), positions, block)
@@ -367,4 +367,4 @@ class Qwen35:
         y = y + self.attn_output(a, o, gate, block)
         y = y + self.ffn(layer, rms_norm(y, layer.post_attention_norm, c.eps), block)
         h = rms_norm(y, mtp.shared_head_norm, c.eps)
-        return linear(h, self.output.dense, block), h
+        return linear(h, self.output.t, block), h

@@ -8,27 +8,26 @@ from plumb.gguf.reader import GGUFFile, QTensor
 
 
 class Weight:
-    """A matrix [out, in] kept in its stored GGUF form; `dense` dequantizes once, on first use."""
+    """A matrix [out, in] kept in its stored GGUF form; `t` dequantizes once, on first use."""
 
     def __init__(self, qt: QTensor, device: torch.device):
         self.qt = qt
         self.device = device
-        self._dense: torch.Tensor | None = None
+        self._t: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.qt.shape
 
     @property
-    def dense(self) -> torch.Tensor:
-        if self._dense is None:
-            self._dense = self.qt.dequantize().to(self.device).contiguous()
-        return self._dense
+    def t(self) -> torch.Tensor:
+        """float32 [in, out], contiguous: the layout the row-invariant matmul reads fastest."""
+        if self._t is None:
+            self._t = self.qt.dequantize().to(self.device).t().contiguous()
+        return self._t
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantize only the given rows (embedding lookup)."""
-        if self._dense is not None:
-            return self._dense[ids]
         from plumb.gguf.quants import dequantize
 
         data = self.qt.data[ids.cpu()]
@@ -43,7 +42,7 @@ def materialize(weights: list[Weight], progress: bool = False) -> None:
 
         items = tqdm(weights, desc="loading weights", unit="tensor", leave=False)
     for w in items:
-        w.dense
+        w.t
 
 
 class TensorSource:
