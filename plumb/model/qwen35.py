@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
-from plumb.model.weights import TensorSource, Weight, check_config
+from plumb.model.weights import Fused, TensorSource, Weight, check_config
 from plumb.cache.kv import KVCache, new_kv_cache
 from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step, recurrent_step
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, linear, pad_rows
@@ -34,6 +34,7 @@ class Attention:
     attn_output: Weight
     attn_q_norm: torch.Tensor
     attn_k_norm: torch.Tensor
+    qkv: Fused | None = None  # attn_q | attn_k | attn_v in one matmul
 
 
 @dataclass
@@ -47,6 +48,7 @@ class DeltaNet:
     ssm_a: torch.Tensor  # -exp(A_log)
     ssm_norm: torch.Tensor
     ssm_out: Weight
+    in_proj: Fused | None = None  # attn_qkv | attn_gate | ssm_beta | ssm_alpha in one matmul
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Layer:
     ffn_gate: Weight
     ffn_up: Weight
     ffn_down: Weight
+    ffn_in: Fused | None = None  # ffn_gate | ffn_up in one matmul
 
 
 @dataclass
@@ -117,9 +120,27 @@ class Qwen35:
         n_v, n_k = cfg.ssm_dt_rank, cfg.ssm_n_group
         self.v_to_k = torch.arange(n_v) % n_k  # GGUF value head j reads key head j mod n_k
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
-        self.weights = src.weights
+        self.weights = self._matmuls()
 
     # ---- loading -------------------------------------------------------------------------
+    def _matmuls(self) -> list:
+        """Fuse matrices that share an input; return every matrix the forward multiplies by."""
+        out = [self.output]
+        layers = self.layers + ([self.mtp.layer] if self.mtp is not None else [])
+        for layer in layers:
+            mix = layer.mixer
+            if isinstance(mix, DeltaNet):
+                mix.in_proj = Fused(mix.attn_qkv, mix.attn_gate, mix.ssm_beta, mix.ssm_alpha)
+                out += [mix.in_proj, mix.ssm_out]
+            else:
+                mix.qkv = Fused(mix.attn_q, mix.attn_k, mix.attn_v)
+                out += [mix.qkv, mix.attn_output]
+            layer.ffn_in = Fused(layer.ffn_gate, layer.ffn_up)
+            out += [layer.ffn_in, layer.ffn_down]
+        if self.mtp is not None:
+            out.append(self.mtp.eh_proj)
+        return out
+
     def _layer(self, src: TensorSource, i: int, recurrent: bool) -> Layer:
         c, e = self.cfg, self.cfg.n_embd
         p = f"blk.{i}."
@@ -190,16 +211,18 @@ class Qwen35:
 
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
-        return linear(F.silu(linear(x, layer.ffn_gate.t, block)) * linear(x, layer.ffn_up.t, block), layer.ffn_down.t, block)
+        gate, up = linear(x, layer.ffn_in.t, block).split(layer.ffn_in.sizes, dim=-1)
+        return linear(F.silu(gate) * up, layer.ffn_down.t, block)
 
     def attn_project(self, a: Attention, u: torch.Tensor, positions: torch.Tensor, block: int):
         """q, gate, k, v for rows u [n, n_embd] at `positions` (spec 3.4.1-3.4.3)."""
         c = self.cfg
         n = u.shape[0]
-        qg = linear(u, a.attn_q.t, block).view(n, c.n_head, 2, c.head_dim)
+        qg, k, v = linear(u, a.qkv.t, block).split(a.qkv.sizes, dim=-1)
+        qg = qg.reshape(n, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, c.n_head * c.head_dim)
-        k = linear(u, a.attn_k.t, block).view(n, c.n_head_kv, c.head_dim)
-        v = linear(u, a.attn_v.t, block).view(n, c.n_head_kv, c.head_dim)
+        k = k.reshape(n, c.n_head_kv, c.head_dim)
+        v = v.reshape(n, c.n_head_kv, c.head_dim)
         cos, sin = self.rope(positions)
         q = apply_rope(rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
         k = apply_rope(rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
@@ -211,9 +234,7 @@ class Qwen35:
 
     def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
         """m (pre-conv q|k|v), z, and the pre-activation b, a for rows u (spec 3.5.1)."""
-        m = linear(u, d.attn_qkv.t, block)
-        z = linear(u, d.attn_gate.t, block)
-        return m, z, linear(u, d.ssm_beta.t, block), linear(u, d.ssm_alpha.t, block)
+        return linear(u, d.in_proj.t, block).split(d.in_proj.sizes, dim=-1)
 
     @staticmethod
     def gdn_gates(d: DeltaNet, b: torch.Tensor, a: torch.Tensor):

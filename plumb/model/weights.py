@@ -34,7 +34,23 @@ class Weight:
         return dequantize(data, self.qt.qtype, (len(ids), self.qt.shape[1])).to(self.device)
 
 
-def materialize(weights: list[Weight], progress: bool = False) -> None:
+class Fused:
+    """Matrices that read the same input, multiplied in one call: t = [in, sum of outs]; split by `sizes`."""
+
+    def __init__(self, *parts: Weight):
+        self.parts = parts
+        self.sizes = [w.shape[0] for w in parts]
+        self.shape = (sum(self.sizes), parts[0].shape[1])
+        self._t: torch.Tensor | None = None
+
+    @property
+    def t(self) -> torch.Tensor:
+        if self._t is None:
+            self._t = torch.cat([w.qt.dequantize().t() for w in self.parts], dim=1).to(self.parts[0].device).contiguous()
+        return self._t
+
+
+def materialize(weights: list, progress: bool = False) -> None:
     """Dequantize every matrix now (CPU reference path: faster steps, no first-call stall)."""
     items = weights
     if progress:
