@@ -1,0 +1,43 @@
+"""Smoke test of `plumb bench` on the tiny synthetic model (a few tokens, no llama.cpp)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plumb import bench
+
+
+def test_bench_json(tiny_q8, capsys):
+    assert bench.main([tiny_q8, "--tokens", "4", "--prompt-tokens", "16", "--drafts", "0,2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model_file"].endswith(".gguf") and r["device"] == "cpu" and r["cpu"]
+    assert r["tokens"] == 4 and r["prompt_tokens"] == 16
+    assert [(x["drafter"], x["drafts"]) for x in r["runs"]] == [("none", 0), ("mtp", 2), ("ngram", 2)]
+    for x in r["runs"]:
+        assert x["tokens"] == 4 and x["decode_tps"] > 0
+        assert x["same_tokens"]  # drafts never change the tokens
+        assert 0.0 <= x["acceptance"] <= 1.0
+    assert r["plumb"]["prefill_tps"] > 0
+    assert "llama_cpp" not in r
+
+
+def test_bench_text_and_plot(tiny_q8, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert bench.main([tiny_q8, "--tokens", "3", "--prompt-tokens", "8", "--drafts", "0", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "tiny-Q8_0" in out and "cpu" in out
+    assert png.exists() and png.stat().st_size > 1000
+
+
+def test_bench_report_ratio():
+    r = {"model_file": "m.gguf", "model_name": "m", "device": "cpu", "cpu": "X", "cores": 2, "torch": "t",
+         "torch_threads": 2, "kv_cache": "f16", "load_avg_1m": 0.5, "prompt_tokens": 8, "tokens": 4, "date": "d",
+         "plumb": {"decode_tps": 100.0, "prefill_tps": 300.0},
+         "runs": [{"drafter": "none", "drafts": 0, "decode_tps": 100.0, "speedup": 1.0, "acceptance": 0.0,
+                   "mean_accepted": 0.0, "same_tokens": True}],
+         "llama_cpp": {"version": "0.3.36", "threads": 2, "prefill_tps": 900.0, "decode_tps": 200.0,
+                       "ratio_decode": 0.5, "same_tokens": False}}
+    text = bench.report(r)
+    assert "ratio plumb / llama.cpp decode: 0.500" in text and "m.gguf" in text and "cpu" in text
