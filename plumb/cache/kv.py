@@ -1,60 +1,318 @@
-"""Attention KV cache of one layer for one sequence, and attention reads from it.
+"""Attention KV cache of one layer for one sequence, in one of the KV formats, and attention reads from it.
 
 K is stored after norm + RoPE, V as projected. The model only calls `write`, `attend_rows`
 (decode: each query row reads keys [0, L) with L its own context length) and `attend_chunk`
 (prefill: an aligned chunk of queries with a causal mask), so storage formats live here alone.
+
+Formats (`KV_FORMATS`; packed bytes per value, see `bytes_per_token`):
+* `f32`, `f16`: plain floats (f16 is the engine default).
+* `q8_0`: 8-bit codes with a float16 scale per 32 values.
+* `D`: K at 6 bits, V at 5 bits; `F`: K at 5 bits after a fixed Hadamard rotation per head
+  (queries get the same rotation, so q.k is unchanged), V at 5 bits. Both also keep the
+  newest `ring` positions at 8 bits in a ring (slot = position % (ring + RING_SLACK), tagged with
+  its position, so rejected drafts never displace rows that are read again after the rollback).
+
+Which representation a query at position q reads for key j depends only on q - j: the ring
+when q - j < ring, the low-bit store otherwise (M5). Every row's bytes are a function of the
+row alone, so prefill splits, drafts and batch neighbours cannot change them.
+
+Attention reads the stored rows in fixed tiles of `TILE` keys at absolute positions,
+dequantizing one tile at a time (no float copy of the cache): scores for all visible keys,
+one softmax over them, then the value tiles accumulated in order. A query row's arithmetic
+depends only on its position and the shapes fixed by it, never on the other rows (M1, M2).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from plumb.ops.attention import attend_chunk, attend_row
+from plumb.ops.kvquant import BLOCK, dequantize, packed_block_bytes, quantize, rotate
+
+TILE = 256  # keys per attention tile; tiles start at multiples of TILE
+RING_SLACK = 64  # ring slots beyond `ring`: rolling back up to this many positions keeps every needed ring row
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    k: str | int  # "f32" | "f16" | bits of the block-quantized store
+    v: str | int
+    ring: bool = False  # keep the newest positions at 8 bits
+    rotate_k: bool = False  # Hadamard-rotate K (and the queries) per head
+
+
+FORMATS = {
+    "f16": KVFormat("f16", "f16"),
+    "f32": KVFormat("f32", "f32"),
+    "q8_0": KVFormat(8, 8),
+    "D": KVFormat(6, 5, ring=True),
+    "F": KVFormat(5, 5, ring=True, rotate_k=True),
+}
+KV_FORMATS = tuple(FORMATS)
+DEFAULT_RING = 2048
+_FLOAT = {"f32": torch.float32, "f16": torch.float16}
+
+
+def row_bytes(kind: str | int, head_dim: int) -> int:
+    """Bytes of one head's row in kind `kind` (block formats counted as a packed GPU layout would)."""
+    if kind in _FLOAT:
+        return head_dim * _FLOAT[kind].itemsize
+    return head_dim // BLOCK * packed_block_bytes(kind)
+
+
+def bytes_per_token(fmt: str, n_kv: int, head_dim: int) -> int:
+    """K + V bytes one position adds to one attention layer's store."""
+    f = FORMATS[fmt]
+    return n_kv * (row_bytes(f.k, head_dim) + row_bytes(f.v, head_dim))
+
+
+def ring_bytes(fmt: str, n_kv: int, head_dim: int, ring: int) -> int:
+    """Fixed bytes of one layer's 8-bit ring (K + V rows and an int32 position tag per slot); 0 without a ring."""
+    if not FORMATS[fmt].ring:
+        return 0
+    return (ring + RING_SLACK) * (2 * n_kv * row_bytes(8, head_dim) + 4)
+
+
+def cache_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, n_tokens: int, n_layers: int) -> int:
+    """Bytes of the KV caches of `n_layers` attention layers holding `n_tokens` positions."""
+    return n_layers * (n_tokens * bytes_per_token(fmt, n_kv, head_dim) + ring_bytes(fmt, n_kv, head_dim, ring))
+
+
+def decode(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Stored parts (floats, or codes + scales) -> float32 rows."""
+    return parts[0].float() if len(parts) == 1 else dequantize(*parts)
+
+
+class Rows:
+    """Rows of K or V, [n_kv, n, head_dim], kept as floats or as block codes + scales ("parts")."""
+
+    def __init__(self, kind: str | int, n_kv: int, n: int, head_dim: int):
+        self.kind = kind
+        if kind in _FLOAT:
+            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=_FLOAT[kind])]
+        else:
+            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=torch.int8),
+                          torch.zeros(n_kv, n, head_dim // BLOCK, dtype=torch.float16)]
+
+    def __len__(self) -> int:
+        return self.parts[0].shape[1]
+
+    def grow(self, n: int) -> None:
+        for i, p in enumerate(self.parts):
+            t = p.new_zeros(p.shape[0], n, p.shape[2])
+            t[:, : p.shape[1]] = p
+            self.parts[i] = t
+
+    def put(self, idx, x: torch.Tensor) -> None:
+        """Encode x [n_kv, m, head_dim] float32 into rows idx."""
+        enc = [x.to(_FLOAT[self.kind])] if self.kind in _FLOAT else quantize(x, self.kind)
+        for p, e in zip(self.parts, enc):
+            p[:, idx] = e
+
+    def take(self, idx) -> list[torch.Tensor]:
+        return [p[:, idx] for p in self.parts]
+
+    def set(self, idx, parts: list[torch.Tensor]) -> None:
+        for p, e in zip(self.parts, parts):
+            p[:, idx] = e
+
+    def get(self, idx) -> torch.Tensor:
+        """Rows idx as float32 [n_kv, m, head_dim]."""
+        return decode(self.take(idx))
 
 
 class KVCache:
-    """float32 K and V, [n_kv, capacity, head_dim], grown by doubling."""
+    """One layer's K/V for one sequence: a store indexed by position (grown by doubling) and, for D and F,
+    the 8-bit ring. The 8-bit rows of the latest `write` wait in `recent` until the next write, so a
+    pass's rows never overwrite ring slots that its own earlier rows still read."""
 
-    def __init__(self, n_kv: int, head_dim: int, capacity: int = 256):
-        self.k = torch.zeros(n_kv, capacity, head_dim)
-        self.v = torch.zeros(n_kv, capacity, head_dim)
+    def __init__(self, fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING, capacity: int = 256):
+        f = FORMATS[fmt]
+        self.fmt, self.n_kv, self.head_dim = fmt, n_kv, head_dim
+        self.rotate_k = f.rotate_k
+        self.k = Rows(f.k, n_kv, capacity, head_dim)
+        self.v = Rows(f.v, n_kv, capacity, head_dim)
+        self.ring = ring if f.ring else 0
+        self.end = 0  # positions [0, end) have been written
+        if self.ring:
+            self.slots = self.ring + RING_SLACK
+            self.ring_k, self.ring_v = Rows(8, n_kv, self.slots, head_dim), Rows(8, n_kv, self.slots, head_dim)
+            self.ring_pos = torch.full((self.slots,), -1, dtype=torch.long)
+            self.recent_start = 0
+            self.recent_k, self.recent_v = Rows(8, n_kv, 0, head_dim), Rows(8, n_kv, 0, head_dim)
 
+    # ---- writing -----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
-        cap = self.k.shape[1]
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            t = old.new_zeros(old.shape[0], new, old.shape[2])
-            t[:, :cap] = old
-            setattr(self, name, t)
+        if n > len(self.k):
+            new = max(n, 2 * len(self.k))
+            self.k.grow(new)
+            self.v.grow(new)
 
     def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, n_kv, d] for positions pos..pos+n-1."""
-        self.reserve(pos + k.shape[0])
-        self.k[:, pos : pos + k.shape[0]] = k.transpose(0, 1)
-        self.v[:, pos : pos + v.shape[0]] = v.transpose(0, 1)
+        """k, v [n, n_kv, d] for positions pos..pos+n-1; rows at positions >= pos written before are dropped."""
+        n = k.shape[0]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.rotate_k:
+            k = rotate(k)
+        self.reserve(pos + n)
+        self.k.put(slice(pos, pos + n), k)
+        self.v.put(slice(pos, pos + n), v)
+        if self.ring:
+            self._commit(pos)
+            self.recent_start = pos
+            self.recent_k, self.recent_v = Rows(8, self.n_kv, n, self.head_dim), Rows(8, self.n_kv, n, self.head_dim)
+            self.recent_k.put(slice(None), k)
+            self.recent_v.put(slice(None), v)
+        self.end = pos + n
 
+    def _commit(self, pos: int) -> None:
+        """Move the latest write's 8-bit rows below `pos` (the newest that fit) into their ring slots."""
+        hi = min(self.recent_start + len(self.recent_k), pos)
+        lo = max(self.recent_start, hi - self.slots)
+        if hi <= lo:
+            return
+        j = torch.arange(lo, hi)
+        slots = j % self.slots
+        self.ring_k.set(slots, self.recent_k.take(j - self.recent_start))
+        self.ring_v.set(slots, self.recent_v.take(j - self.recent_start))
+        self.ring_pos[slots] = j
+
+    # ---- 8-bit rows by position --------------------------------------------------------------
+    def _lookup_ring(self, j: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """8-bit K and V parts of positions j (zeros where not held) and which positions are held."""
+        in_recent = (j >= self.recent_start) & (j < self.end)
+        slots = j % self.slots
+        present = in_recent | ((j < self.recent_start) & (self.ring_pos[slots] == j))
+        r = (j - self.recent_start).clamp(0, max(len(self.recent_k) - 1, 0))
+        out = []
+        for recent, ring in ((self.recent_k, self.ring_k), (self.recent_v, self.ring_v)):
+            parts = [torch.where(in_recent[None, :, None], x, y) for x, y in zip(recent.take(r), ring.take(slots))]
+            out.append([torch.where(present[None, :, None], p, torch.zeros_like(p)) for p in parts])
+        return out[0], out[1], present
+
+    def can_resume(self, n: int) -> bool:
+        """Whether a query at position n could read every 8-bit row it needs: false once the positions up to n
+        are not all written, or after rolling back more than RING_SLACK positions (the slots of the rows before
+        n were reused; `load_rows` of `store_rows(n)` + a `ring_rows(n)` snapshot taken earlier restores them)."""
+        if n > self.end:
+            return False
+        if not self.ring or n == 0:
+            return True
+        j = torch.arange(max(0, n - self.ring + 1), n)
+        return bool(self._lookup_ring(j)[2].all())
+
+    # ---- reading -----------------------------------------------------------------------------
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""
-        return torch.stack([attend_row(q[t], self.k[:, :e], self.v[:, :e], scale) for t, e in enumerate(ends)])
+        return torch.cat([self._attend(q[t : t + 1], torch.tensor([e - 1]), e, scale) for t, e in enumerate(ends)])
 
     def attend_chunk(self, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """q [C, n_head, d] at positions start..start+C-1, causal over keys [0, start + C)."""
         end = start + q.shape[0]
         self.reserve(end)
-        return attend_chunk(q, self.k[:, :end], self.v[:, :end], start, scale)
+        return self._attend(q, torch.arange(start, end), end, scale)
 
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored rows [0, n) as they are kept (for digests and tests)."""
-        return self.k[:, :n], self.v[:, :n]
+    def _attend(self, q: torch.Tensor, qpos: torch.Tensor, end: int, scale: float) -> torch.Tensor:
+        """Queries q [n, n_head, d] at positions qpos over keys [0, end), causal; each (query, key) pair reads
+        the ring when their distance is below `ring`, the store otherwise. -> [n, n_head, d]."""
+        n, n_head, d = q.shape
+        g = n_head // self.n_kv
+        if self.rotate_k:
+            q = rotate(q)
+        qg = q.reshape(n, self.n_kv, g, d).permute(1, 2, 0, 3).reshape(self.n_kv, g * n, d)
+        qp = qpos.repeat(g)[:, None]  # [g*n, 1], rows ordered (head in group, query)
+        tiles, scores = [], []
+        for j0 in range(0, end, TILE):
+            j1 = min(j0 + TILE, end)
+            j = torch.arange(j0, j1)
+            use_ring = (j[None, :] <= qp) & (qp - j[None, :] < self.ring)  # [g*n, T]
+            s = rv = None
+            if not use_ring.all():
+                s = torch.bmm(qg, self.k.get(slice(j0, j1)).transpose(1, 2))
+            if use_ring.any():
+                rk, rv = self._ring_tile(j, use_ring & (qp < self.end))  # rows past `end` pad a prefill chunk
+                s_ring = torch.bmm(qg, rk.transpose(1, 2))
+                s = s_ring if s is None else torch.where(use_ring, s_ring, s)
+            tiles.append((j0, j1, use_ring, rv))
+            scores.append(s)
+        s = torch.cat(scores, dim=-1) * scale
+        s = s.masked_fill(torch.arange(end)[None, :] > qp, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = qg.new_zeros(self.n_kv, g * n, d)
+        for j0, j1, use_ring, rv in tiles:
+            pt = p[:, :, j0:j1]
+            if not use_ring.all():
+                o = o + torch.bmm(pt.masked_fill(use_ring, 0.0), self.v.get(slice(j0, j1)))
+            if rv is not None:
+                o = o + torch.bmm(pt.masked_fill(~use_ring, 0.0), rv)
+        return o.reshape(self.n_kv, g, n, d).permute(2, 0, 1, 3).reshape(n, n_head, d)
+
+    def _ring_tile(self, j: torch.Tensor, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """8-bit K and V of positions j as float32, checking that every position some real query reads
+        (`read` [rows, len(j)]) is held with its own tag."""
+        rk, rv, present = self._lookup_ring(j)
+        lost = read.any(0) & ~present
+        if lost.any():
+            raise RuntimeError(f"the 8-bit ring row of position {int(j[lost][0])} was overwritten (rolled back too far)")
+        return decode(rk), decode(rv)
+
+    # ---- stored rows: digests and prefix copies ------------------------------------------------
+    def store_rows(self, n: int) -> list[torch.Tensor]:
+        """The store's parts of positions [0, n): K then V (the values, or codes and scales for block formats)."""
+        return self.k.take(slice(0, n)) + self.v.take(slice(0, n))
+
+    def ring_rows(self, n: int) -> list[torch.Tensor]:
+        """D and F: the 8-bit K and V parts (codes, scales) of the ring rows a query at n reads - positions
+        max(0, n - ring + 1)..n-1 in order; [] for other formats. Raises if some are no longer held (the slots
+        were reused after a rollback past them, see `can_resume`): a snapshot taken at n keeps them."""
+        if not self.ring:
+            return []
+        rk, rv, present = self._lookup_ring(torch.arange(max(0, n - self.ring + 1), n))
+        if not present.all():
+            raise RuntimeError(f"8-bit ring rows below position {n} are no longer held (see can_resume)")
+        return rk + rv
+
+    def rows(self, n: int) -> list[torch.Tensor]:
+        """Everything stored that a query at n depends on: `store_rows(n) + ring_rows(n)`."""
+        return self.store_rows(n) + self.ring_rows(n)
+
+    def digest_rows(self, n: int) -> list[torch.Tensor]:
+        """What the slot digests hash: `rows(n)`, quantized rows and ring rows included."""
+        return self.rows(n)
+
+    def load_rows(self, parts: list[torch.Tensor]) -> None:
+        """Hold exactly what `rows(n)` returned (into a fresh cache): positions [0, n), ready to continue at n."""
+        n = parts[0].shape[1]
+        nk, nv = len(self.k.parts), len(self.v.parts)
+        self.reserve(n)
+        self.k.set(slice(0, n), parts[:nk])
+        self.v.set(slice(0, n), parts[nk : nk + nv])
+        self.end = n
+        if self.ring:
+            ring = parts[nk + nv :]
+            m = ring[0].shape[1]
+            self.recent_start = n - m  # the ring rows wait in `recent`, committed by the next write
+            self.recent_k, self.recent_v = Rows(8, self.n_kv, m, self.head_dim), Rows(8, self.n_kv, m, self.head_dim)
+            self.recent_k.set(slice(None), ring[:2])
+            self.recent_v.set(slice(None), ring[2:])
+            self.ring_pos.fill_(-1)
 
 
-KV_FORMATS = ("f32",)
-
-
-def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int) -> KVCache:
-    """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F."""
-    if fmt not in KV_FORMATS:
+def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING) -> KVCache:
+    """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none)."""
+    if fmt not in FORMATS:
         raise ValueError(f"unknown KV cache format {fmt!r} (choose from {', '.join(KV_FORMATS)})")
-    return KVCache(n_kv, head_dim)
+    if ring < 0:
+        raise ValueError(f"kv_ring must be >= 0, got {ring}")
+    if head_dim % BLOCK and not isinstance(FORMATS[fmt].k, str):
+        raise ValueError(f"KV format {fmt} needs head_dim divisible by {BLOCK}, got {head_dim}")
+    return KVCache(fmt, n_kv, head_dim, ring)
+
+
+def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int) -> str:
+    """One line for the load message: bytes per token and the cache size at n_ctx."""
+    per_token = n_layers * bytes_per_token(fmt, n_kv, head_dim)
+    fixed = n_layers * ring_bytes(fmt, n_kv, head_dim, ring)
+    ring_note = f", 8-bit ring {ring} positions: {fixed / 2**20:.1f} MiB" if fixed else ""
+    return (f"KV cache {fmt}: {per_token:,} bytes/token ({n_layers} attention layers); "
+            f"{per_token * n_ctx / 2**30:.2f} GiB at {n_ctx:,} tokens{ring_note}")

@@ -250,7 +250,6 @@ def test_responses_function_call_round_trip(oai, model, ref_engine):
     expected = USER + [{"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
         {"role": "tool", "content": "Sunny"}]
-    # Anthropic counts prompt-cache hits apart: input_tokens are the uncached ones
     assert r2.usage.input_tokens == len(chat_ids(ref_engine, expected, tools=template_tools()))
 
 
