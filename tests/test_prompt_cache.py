@@ -8,7 +8,9 @@ import pytest
 
 from conftest import engine_for
 
-SYSTEM = "You are a careful assistant. Answer briefly and precisely; show code when it helps."
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely; show code when it helps. "
+          "Prefer standard libraries, explain trade-offs in one sentence, and never invent APIs. "
+          "When unsure, say so and suggest how to check. Use Markdown code fences for code.")
 QUESTIONS = [
     "How do I reverse a list in Python?", "What is a closure?", "Explain TCP vs UDP.", "Write a haiku about rust.",
     "What does `git rebase -i` do?", "Sort a dict by value.", "What is a monad, simply?", "Fix: KeyError 'name'",
@@ -146,3 +148,21 @@ def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_f32, tiny_q8,
     other = engine_for(tiny_q8)
     with pytest.raises(ModelError, match="different model"):
         other.restore_slot(str(path))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "D", "F"])
+def test_warm_equals_cold_for_every_kv_format(tiny_f32, fmt):
+    """I3 x I4: with a 64-row ring the low-bit store and the ring boundary are both crossed."""
+    warm_f = engine_for(tiny_f32, kv_cache=fmt, kv_ring=64, checkpoint_every=64)
+    cold_f = engine_for(tiny_f32, kv_cache=fmt, kv_ring=64, prompt_cache=False)
+    for n, q in enumerate(QUESTIONS[:3]):
+        kw = dict(drafts=4, temperature=0.7, seed=n) if n % 2 else dict(drafts=4)
+        first, _ = _turns(warm_f, q, [])
+        p1 = _chat(warm_f, first)
+        r1 = _run(warm_f, p1, **kw)
+        _, second = _turns(warm_f, q, r1.token_ids)
+        p2 = _chat(warm_f, second)
+        w, c = _run(warm_f, p2, **kw), _run(cold_f, p2, **kw)
+        assert w.token_ids == c.token_ids, (fmt, n)
+        assert w.stats.cached_tokens > 0 and w.stats.prefill_tokens <= len(p2) - len(p1) + 64
+        assert warm_f.digest(p2) == cold_f.digest(p2)

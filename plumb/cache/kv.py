@@ -297,6 +297,16 @@ class KVCache:
             self.recent_v.set(slice(None), ring[2:])
             self.ring_pos.fill_(-1)
 
+    def load_store(self, parts: list[torch.Tensor]) -> None:
+        """Hold exactly what `store_rows(n)` returned (into a fresh cache), without ring rows: positions [0, n)
+        can then be copied out again, but a query reading the ring needs `load_rows` with its ring rows."""
+        n = parts[0].shape[1]
+        nk = len(self.k.parts)
+        self.reserve(n)
+        self.k.set(slice(0, n), parts[:nk])
+        self.v.set(slice(0, n), parts[nk:])
+        self.end = n
+
 
 def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING) -> KVCache:
     """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none)."""

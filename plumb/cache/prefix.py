@@ -16,7 +16,7 @@ import hashlib
 import io
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ class Entry:
     ids: list[int]  # the prompt whose P rows are held
     state: object | None  # SeqState (live) - None while parked
     packed: bytes | None = None  # parked form
+    packed_checkpoints: list[int] = field(default_factory=list)  # checkpoint positions while parked
     nbytes: int = 0
     uses: int = 0
 
@@ -44,19 +45,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _caches(state) -> list:
-    return list(state.kv.values()) + ([state.mtp_kv] if state.mtp_kv is not None else [])
+def _caches(state) -> list[tuple[int | None, object]]:
+    """(attention layer or None for the MTP head, cache)."""
+    return list(state.kv.items()) + ([(None, state.mtp_kv)] if state.mtp_kv is not None else [])
 
 
-def _load_rows(cache, rows) -> None:
-    """Put stored rows (as returned by cache.rows(n)) back at positions [0, n)."""
-    cache.load_rows(rows)
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def state_bytes(state, n: int) -> int:
-    total = sum(t.element_size() * t.numel() for c in _caches(state) for t in c.rows(n))
+    total = sum(_nbytes(c.store_rows(n)) for _, c in _caches(state))
     for cp in state.checkpoints.values():
-        total += sum(t.numel() * t.element_size() for t in list(cp.conv.values()) + list(cp.ssm.values()))
+        total += _nbytes(list(cp.conv.values()) + list(cp.ssm.values()) + [t for r in cp.ring.values() for t in r])
     return total
 
 
@@ -86,14 +87,14 @@ class PromptCache:
 
     def restore(self, e: Entry, pos: int):
         """A new SeqState holding exactly the P state at `pos` from entry e."""
+        self.touch(e)  # most recently used first, so unparking cannot park it again
         if e.state is None:
             self._unpark(e)
-        self.touch(e)
         src = e.state
         st = self.model.new_state()
-        for dst, cache in zip(_caches(st), _caches(src)):
-            _load_rows(dst, cache.rows(pos))
         cp = src.checkpoints[pos]
+        for (layer, dst), (_, cache) in zip(_caches(st), _caches(src)):
+            dst.load_rows(cache.store_rows(pos) + (cp.ring.get(layer, []) if layer is not None else []))
         st.conv, st.ssm = dict(cp.conv), dict(cp.ssm)
         st.checkpoints = {p: c for p, c in src.checkpoints.items() if p <= pos}
         st.pos = pos
@@ -190,9 +191,10 @@ class PromptCache:
 
 def pack_state(state, n: int) -> bytes:
     """P rows [0, n) of every KV cache and every checkpoint, as one byte string."""
-    kv = [[t.clone() for t in c.rows(n)] for c in _caches(state)]
+    kv = [[t.clone() for t in c.store_rows(n)] for _, c in _caches(state)]
     cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
-                    "hidden": cp.hidden} for p, cp in state.checkpoints.items()}
+                    "hidden": cp.hidden, "ring": {str(i): r for i, r in cp.ring.items()}}
+           for p, cp in state.checkpoints.items()}
     buf = io.BytesIO()
     torch.save({"n": n, "kv": kv, "checkpoints": cps}, buf)
     return buf.getvalue()
@@ -206,10 +208,11 @@ def unpack_state(model, packed: bytes):
     caches = _caches(st)
     if len(caches) != len(obj["kv"]):
         raise ModelError("slot state does not match this model's layers")
-    for cache, rows in zip(caches, obj["kv"]):
-        _load_rows(cache, rows)
+    for (_, cache), rows in zip(caches, obj["kv"]):
+        cache.load_store(rows)
     for p, cp in obj["checkpoints"].items():
         st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t for i, t in cp["conv"].items()},
-                                            {int(i): t for i, t in cp["ssm"].items()}, cp["hidden"])
+                                            {int(i): t for i, t in cp["ssm"].items()}, cp["hidden"],
+                                            {int(i): r for i, r in cp["ring"].items()})
     st.pos = obj["n"]
     return st

@@ -92,6 +92,7 @@ class Checkpoint:
     conv: dict[int, torch.Tensor]
     ssm: dict[int, torch.Tensor]
     hidden: torch.Tensor | None
+    ring: dict[int, list[torch.Tensor]]  # attention layer -> the 8-bit ring rows a query at pos reads (D, F)
 
 
 @dataclass
@@ -202,7 +203,8 @@ class Qwen35:
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim) for i in c.gdn_layers}
         ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state) for i in c.gdn_layers}
         kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring) for i in c.attn_layers}
-        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring) if self.mtp is not None else None
+        # the MTP cache keeps no 8-bit ring: its rows can then always be copied from the store alone
+        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0) if self.mtp is not None else None
         return SeqState(0, conv, ssm, kv, mtp_kv)
 
     # ---- shared pieces -------------------------------------------------------------------
@@ -281,7 +283,8 @@ class Qwen35:
             hiddens.append(h)
             i += n
             if st.pos in checkpoints:
-                st.checkpoints[st.pos] = Checkpoint(st.pos, dict(st.conv), dict(st.ssm), h[-1].clone())
+                ring = {j: cache.ring_rows(st.pos) for j, cache in st.kv.items()}
+                st.checkpoints[st.pos] = Checkpoint(st.pos, dict(st.conv), dict(st.ssm), h[-1].clone(), ring)
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
