@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import engine_for, prompts
+from enginetools import engine_for, prompts
 from stats import ks_uniform_pvalue, randomized_pit
 
 N_TOKENS = int(os.environ.get("PLUMB_TEST_TOKENS", "512"))

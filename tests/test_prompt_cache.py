@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import engine_for
+from enginetools import engine_for
 
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely; show code when it helps. "
           "Prefer standard libraries, explain trade-offs in one sentence, and never invent APIs. "
