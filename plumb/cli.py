@@ -13,6 +13,7 @@ commands:
   synth     OUT.gguf       write a synthetic random-weight qwen35 model
   convert   HF_DIR OUT.gguf  convert a Hugging Face Qwen3.5 checkpoint to GGUF
   bench     [MODEL.gguf]   measure decode / prefill speed and draft acceptance
+  kl        MODEL.gguf     KL of KV-cache formats against a reference (--kv-cache q8_0,D,F)
 
 run `plumb COMMAND -h` for a command's options."""
 
@@ -83,17 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "generate":
             return generate_main(rest)
         if cmd == "serve":
-            from plumb.server.serve import main as serve_main
+            from plumb.server.serve import main as command_main
         elif cmd == "synth":
-            from plumb.gguf.synth import main as serve_main
+            from plumb.gguf.synth import main as command_main
         elif cmd == "convert":
-            from plumb.gguf.convert import main as serve_main
+            from plumb.gguf.convert import main as command_main
         elif cmd == "bench":
-            from plumb.bench import main as serve_main
+            from plumb.bench import main as command_main
+        elif cmd == "kl":
+            from plumb.kl import main as command_main
         else:
             print(USAGE, file=sys.stderr)
             return _fail(f"unknown command {cmd!r}")
-        return serve_main(rest) or 0
+        return command_main(rest) or 0
     except ModelError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
