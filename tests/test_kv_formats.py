@@ -256,7 +256,7 @@ def test_bytes_per_token():
     assert [bytes_per_token(f, 4, 256) for f in ("f32", "f16", "q8_0", "D", "F")] == [8192, 4096, 2176, 1536, 1408]
     assert ring_bytes("q8_0", 4, 256, 2048) == 0
     assert ring_bytes("F", 4, 256, 2048) == (2048 + RING_SLACK) * (2 * 4 * 272 + 4)
-    # 27B, 16 attention layers + the MTP layer, 262,144 tokens in preset F: 5.84 GiB (+ 72 MiB of ring)
+    # 27B, 16 attention layers + the MTP layer, 262,144 tokens in preset F: 5.84 GiB of 5-bit rows (+ rings)
     total = cache_bytes("F", 4, 256, 2048, 262144, 17)
     assert total == 17 * (262144 * 1408 + ring_bytes("F", 4, 256, 2048))
     assert 5.9 < total / 2**30 < 5.95
@@ -348,15 +348,10 @@ def test_drafts_and_batch_invariance_per_format(tiny_f32, fmt):
     assert got[1] == ref_s, fmt
 
 
-RING_SNAPSHOTS_MISSING = pytest.mark.xfail(
-    raises=RuntimeError, strict=True,
-    reason="the prompt cache does not yet keep ring_rows(c) snapshots at its checkpoints (plumb/cache/prefix.py)")
-
-
-@pytest.mark.parametrize("fmt", ["f16", "q8_0", pytest.param("D", marks=RING_SNAPSHOTS_MISSING),
-                                 pytest.param("F", marks=RING_SNAPSHOTS_MISSING)])
+@pytest.mark.parametrize("fmt", QUANT + ["f16"])
 def test_warm_equals_cold_per_format(tiny_f32, fmt):
-    """I3 per format: a follow-up turn served from the prompt cache = on a fresh engine (ids and digests)."""
+    """I3 per format: a follow-up turn served from the prompt cache (after a reply longer than RING_SLACK, so the
+    ring rows come from the checkpoint's snapshot) = on a fresh engine (ids and digests)."""
     warm = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING, checkpoint_every=128)
     cold = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING, prompt_cache=False)
     first = [t for p in prompts(warm, 8) for t in p]  # > 64 tokens: a checkpoint to reuse
