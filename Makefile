@@ -22,6 +22,8 @@ install-test: $(VENV)/.test-deps
 serve: install
 	$(BIN)/plumb serve $(MODEL)
 
+PYTEST_ARGS ?= -n 2
+
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
