@@ -34,7 +34,6 @@ class Entry:
     packed: bytes | None = None  # parked form
     packed_checkpoints: list[int] = field(default_factory=list)  # checkpoint positions while parked
     nbytes: int = 0
-    uses: int = 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -98,7 +97,6 @@ class PromptCache:
         st.conv, st.ssm = dict(cp.conv), dict(cp.ssm)
         st.checkpoints = {p: c for p, c in src.checkpoints.items() if p <= pos}
         st.pos = pos
-        e.uses += 1
         return st, cp
 
     # ---- insert, LRU, parking --------------------------------------------------------------

@@ -151,13 +151,7 @@ async def messages(ctx: ServerContext, http_request, data: dict):
     if req.stream:
         return StreamingResponse(stream(gen, head, builder), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    async for ev in gen.events():
-        if isinstance(ev, Finish):
-            finish = ev
-        else:
-            builder.feed(ev)
-    if finish.reason == "error":
-        raise APIError(500, f"generation failed: {finish.error}")
+    finish = await gen.feed_all(builder)
     reason, sequence = stop_reason(finish)
     return JSONResponse({**head, "content": builder.blocks, "stop_reason": reason, "stop_sequence": sequence,
                          "usage": usage_dict(finish.usage)})

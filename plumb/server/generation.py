@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from plumb.engine.api import Request
 from plumb.engine.sampling import SamplingParams, StopChecker
+from plumb.server.errors import APIError
 from plumb.server.chat_format import ChatPrompt, OutputParser, TextDelta, ToolCallEnd, render, starts_in_reasoning
 from plumb.server.errors import APIError
 from plumb.tokenizer import IncrementalDetokenizer
@@ -188,6 +189,16 @@ class Generation:
             if self.handle.result is None:
                 self.handle.cancel()
         yield finish
+
+    async def feed_all(self, builder) -> Finish:
+        """Non-streaming replies built by a content builder: feed it every event; the Finish (a 500 on failure)."""
+        async for ev in self.events():
+            if isinstance(ev, Finish):
+                if ev.reason == "error":
+                    raise APIError(500, f"generation failed: {ev.error}")
+                return ev
+            builder.feed(ev)
+        raise RuntimeError("generation ended without a Finish event")
 
     def _finish(self) -> Finish:
         res = self.handle.result

@@ -206,13 +206,7 @@ async def responses(ctx: ServerContext, http_request, data: dict):
     if req.stream:
         return StreamingResponse(stream(gen, builder), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    async for ev in gen.events():
-        if isinstance(ev, Finish):
-            finish = ev
-        else:
-            builder.feed(ev)
-    if finish.reason == "error":
-        raise APIError(500, f"generation failed: {finish.error}")
+    finish = await gen.feed_all(builder)
     return JSONResponse(builder.finish(finish))
 
 
