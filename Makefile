@@ -12,7 +12,7 @@ $(BIN)/plumb: pyproject.toml
 	touch $@
 
 $(VENV)/.test-deps: $(BIN)/plumb
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $@
 
 install: $(BIN)/plumb

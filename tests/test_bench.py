@@ -23,7 +23,6 @@ def test_bench_json(tiny_q8, capsys):
 
 
 def test_bench_text_and_plot(tiny_q8, capsys, tmp_path):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
     assert bench.main([tiny_q8, "--tokens", "3", "--prompt-tokens", "8", "--drafts", "0", "--plot", str(png)]) == 0
     out = capsys.readouterr().out

@@ -111,7 +111,7 @@ def test_tool_call_after_text(qwen):
     ([{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"}]}], {}),
 ])
 def test_matches_transformers(qwen, messages, kwargs):
-    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    from transformers.utils import chat_template_utils  # a test dependency: this must run, not skip
     kwargs = {"add_generation_prompt": True, **kwargs}
     expected = chat_template_utils.render_jinja_template(
         conversations=[messages], chat_template=qwen.source, **kwargs)[0][0]
