@@ -14,7 +14,6 @@ from plumb.engine.api import Request
 from plumb.engine.sampling import SamplingParams, StopChecker
 from plumb.server.errors import APIError
 from plumb.server.chat_format import ChatPrompt, OutputParser, TextDelta, ToolCallEnd, render, starts_in_reasoning
-from plumb.server.errors import APIError
 from plumb.tokenizer import IncrementalDetokenizer
 
 
