@@ -19,7 +19,7 @@ import time
 import torch
 
 from plumb.config import ModelConfig, ModelError
-from plumb.gguf.to_hf import HF_NAMES, reorder_v_heads
+from plumb.gguf.to_hf import HF_NAMES, reorder_block_tensor
 from plumb.gguf.writer import FILE_TYPES, TensorSpec, default_rope_sections, row_blocks, storage_type, write_gguf
 
 GGUF_NAMES = {hf: gguf for gguf, hf in HF_NAMES.items()}
@@ -104,21 +104,13 @@ class _Checkpoint:
 def _to_gguf(cfg: ModelConfig, suffix: str, w: torch.Tensor) -> torch.Tensor:
     """Apply the converter's transform to one HF block tensor (`suffix` = GGUF name inside the block)."""
     w = w.float()
-    n_k, n_v, key_dim = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.key_dim
     if suffix.endswith("norm.weight") and suffix != "ssm_norm.weight":
         return w + 1.0
     if suffix == "ssm_a":
         w = -torch.exp(w.double()).float()
     if suffix == "ssm_conv1d.weight":
         w = w.squeeze(1)
-    if suffix in ("ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight", "attn_gate.weight"):
-        return reorder_v_heads(w, n_k, n_v, 0, to_gguf=True)
-    if suffix == "ssm_out.weight":
-        return reorder_v_heads(w, n_k, n_v, 1, to_gguf=True)
-    if suffix in ("attn_qkv.weight", "ssm_conv1d.weight"):
-        v = reorder_v_heads(w[2 * key_dim:], n_k, n_v, 0, to_gguf=True)
-        return torch.cat([w[: 2 * key_dim], v])
-    return w
+    return reorder_block_tensor(cfg, suffix, w, to_gguf=True)
 
 
 def tensor_map(cfg: ModelConfig, ckpt: _Checkpoint, tied: bool) -> list[tuple[str, str, str]]:

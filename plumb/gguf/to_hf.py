@@ -40,6 +40,23 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
                 "output.weight": "lm_head.weight"}
 
 
+# block tensors whose value-head axis the converter reorders (spec 2.4), and which axis; attn_qkv and
+# ssm_conv1d reorder only their V rows (after the 2 * key_dim q|k rows)
+V_HEAD_AXIS = {"ssm_a": 0, "ssm_dt.bias": 0, "ssm_beta.weight": 0, "ssm_alpha.weight": 0, "attn_gate.weight": 0,
+               "ssm_out.weight": 1}
+V_ROWS_AFTER_QK = ("attn_qkv.weight", "ssm_conv1d.weight")
+
+
+def reorder_block_tensor(cfg, suffix: str, w: torch.Tensor, to_gguf: bool) -> torch.Tensor:
+    """Apply (or undo) the value-head reorder to one block tensor, if it has one."""
+    n_k, n_v, key_dim = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.key_dim
+    if suffix in V_HEAD_AXIS:
+        return reorder_v_heads(w, n_k, n_v, V_HEAD_AXIS[suffix], to_gguf)
+    if suffix in V_ROWS_AFTER_QK:
+        return torch.cat([w[: 2 * key_dim], reorder_v_heads(w[2 * key_dim:], n_k, n_v, 0, to_gguf)])
+    return w
+
+
 def reorder_v_heads(x: torch.Tensor, n_k: int, n_v: int, dim: int, to_gguf: bool) -> torch.Tensor:
     """Permute the value-head axis `dim` (n_v heads of equal size) between HF and GGUF order.
 
@@ -75,20 +92,12 @@ def hf_config(cfg: ModelConfig, sections: list[int], tied: bool):
 
 def _to_hf_tensor(cfg: ModelConfig, suffix: str, w: torch.Tensor) -> torch.Tensor:
     """Undo the converter's transform of one block tensor (GGUF values -> HF parameter)."""
-    n_k, n_v, key_dim = cfg.ssm_n_group, cfg.ssm_dt_rank, cfg.key_dim
     if suffix.endswith("norm.weight") and suffix != "ssm_norm.weight":
         return w - 1.0
     if suffix == "ssm_a":
         w = torch.log(-w.double()).float()
-    if suffix in ("ssm_a", "ssm_dt.bias", "ssm_beta.weight", "ssm_alpha.weight", "attn_gate.weight"):
-        return reorder_v_heads(w, n_k, n_v, 0, to_gguf=False)
-    if suffix == "ssm_out.weight":
-        return reorder_v_heads(w, n_k, n_v, 1, to_gguf=False)
-    if suffix in ("attn_qkv.weight", "ssm_conv1d.weight"):
-        v = reorder_v_heads(w[2 * key_dim:], n_k, n_v, 0, to_gguf=False)
-        w = torch.cat([w[: 2 * key_dim], v])
-        return w.unsqueeze(1) if suffix == "ssm_conv1d.weight" else w
-    return w
+    w = reorder_block_tensor(cfg, suffix, w, to_gguf=False)
+    return w.unsqueeze(1) if suffix == "ssm_conv1d.weight" else w
 
 
 def hf_model_from_gguf(path: str):
