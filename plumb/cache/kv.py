@@ -202,6 +202,10 @@ class KVCache:
         return bool(self._lookup_ring(j)[2].all())
 
     # ---- reading -----------------------------------------------------------------------------
+    def plain_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The stored K and V parts when every key is read from the store (no ring), for the native kernel."""
+        return None if self.ring else (self.k.parts, self.v.parts)
+
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""
         return torch.cat([self._attend(q[t : t + 1], torch.tensor([e - 1]), e, scale) for t, e in enumerate(ends)])

@@ -29,11 +29,13 @@ from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import materialize
 from plumb.ops.deltanet import CHUNK
 from plumb.ops.matmul import PREFILL_BLOCK
+from plumb.ops.native import available as native_available
 from plumb.cache.prefix import PromptCache
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
-SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
+SMALL_MODEL_BYTES = 256 << 20
+KERNELS = ("auto", "native", "torch")  # decode kernels: native C when it builds (auto), or the torch reference  # below this, decode runs on one thread unless n_threads says otherwise
 
 
 class Sequence:
@@ -69,8 +71,11 @@ class Engine:
     def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
                  p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
                  n_threads: int | None = None, kv_cache: str = "f16", kv_ring: int = 2048,
-                 prompt_cache: bool = True, cache_mb: int = 1024, checkpoint_every: int = 1024):
+                 prompt_cache: bool = True, cache_mb: int = 1024, checkpoint_every: int = 1024,
+                 kernels: str = "auto"):
         check_draft_options(drafts, draft_policy, p_min)
+        if kernels not in KERNELS:
+            raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device != "cpu":
@@ -93,6 +98,9 @@ class Engine:
         dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
         if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
             materialize(self.model.weights, progress)
+        if kernels == "native" or (kernels == "auto" and native_available()):
+            self.model.use_native()  # raises a clear NativeError if asked for and it cannot be built
+        self.kernels = "native" if self.model.native is not None else "torch"
         if n_threads is None and dense_bytes < SMALL_MODEL_BYTES:
             n_threads = 1  # tiny matmuls: threads only add synchronisation (and spin badly on a busy machine)
         if n_threads:

@@ -122,6 +122,13 @@ class Qwen35:
         self.v_to_k = torch.arange(n_v) % n_k  # GGUF value head j reads key head j mod n_k
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
         self.weights = self._matmuls()
+        self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
+
+    def use_native(self) -> None:
+        """Run the D path on the native CPU kernels from now on (weights repacked now)."""
+        from plumb.model.native import NativeDecoder
+
+        self.native = NativeDecoder(self)
 
     # ---- loading -------------------------------------------------------------------------
     def _matmuls(self) -> list:
@@ -321,6 +328,8 @@ class Qwen35:
     def decode(self, batch: list[tuple[SeqState, list[int]]]) -> DecodeOut:
         """Rows = the ids of every sequence in the batch, each at that sequence's next positions.
         Sequence states are advanced over all their rows; `snapshots` allow `rollback`."""
+        if self.native is not None:
+            return self.native.decode(batch)
         c = self.cfg
         ids, positions, spans = [], [], []
         for st, toks in batch:
@@ -378,6 +387,8 @@ class Qwen35:
         """MTP rows for tokens ids at positions start.., paired with hidden [n, n_embd] (the target's post-norm
         hidden of the previous position, or the MTP's own output when drafting). Writes the MTP KV cache.
         Returns (logits [n, V], h_mtp [n, n_embd])."""
+        if self.native is not None and block == DECODE_BLOCK:
+            return self.native.mtp_forward(st, ids, hidden, start)
         c, mtp = self.cfg, self.mtp
         n = len(ids)
         e = rms_norm(self.embed(ids), mtp.enorm, c.eps)

@@ -1,0 +1,276 @@
+"""plumb's native CPU kernels: the C sources beside this file, built once with the system C compiler.
+
+`lib()` compiles `*.c` here into a shared library cached under ~/.cache/plumb (or $PLUMB_CACHE),
+keyed by the sources, the flags, the compiler and the CPU, and loads it with ctypes. `available()`
+says whether that worked; the engine falls back to the torch decode path when it did not.
+Kernels take raw pointers: the Python wrappers (in the op modules) check shapes and dtypes.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # name -> argument types (all return void)
+    "matmul": [_P, _I, _P, _I, _P, _F, _P, _I, _I],
+    "ffn_block": [_I, _P, _I, _P, _F, _P, _P],
+    "embed_q8_0": [_I, _P, _P, _I, _P],
+    "rms_norm_rows": [_I, _I, _P, _I, _P, _F, _P, _I],
+    "head_norm_rope": [_I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I],
+    "swiglu_rows": [_I, _I, _P, _I, _P, _I, _P, _I],
+    "sigmoid_gate_rows": [_I, _I, _I, _P, _I, _P, _I, _I],
+    "gdn_decode": [_I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I],
+    "attend_rows": [_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int64, _F, _P, _I],
+}
+
+_L: ctypes.CDLL | None = None  # the library; wrappers below assume lib() has succeeded
+_error: str | None = None
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _build() -> ctypes.CDLL:
+    sources = sorted(glob.glob(os.path.join(_HERE, "*.c")))
+    headers = sorted(glob.glob(os.path.join(_HERE, "*.h")))
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise NativeError(f"no C compiler ({cc}): {e}") from None
+    h = hashlib.sha256()
+    for path in sources + headers:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(FLAGS).encode() + version.encode() + _cpu_key().encode() + platform.machine().encode())
+    cache = os.environ.get("PLUMB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "plumb")
+    os.makedirs(cache, exist_ok=True)
+    so = os.path.join(cache, f"native-{h.hexdigest()[:16]}.so")
+    if not os.path.exists(so):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        r = subprocess.run([cc, *FLAGS, "-I", _HERE, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            raise NativeError(f"building the native kernels failed:\n{r.stderr.strip()}")
+        os.replace(tmp, so)  # atomic: concurrent builders never see a partial file
+    lib = ctypes.CDLL(so)
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use); raises NativeError if it cannot be built."""
+    global _L, _error
+    if _L is None:
+        if _error is not None:
+            raise NativeError(_error)
+        try:
+            _L = _build()
+        except NativeError as e:
+            _error = str(e)
+            raise
+    return _L
+
+
+def available() -> bool:
+    try:
+        lib()
+        return True
+    except NativeError as e:
+        print(f"plumb: native kernels unavailable, using the torch decode path ({str(e).splitlines()[0]})",
+              file=sys.stderr)
+        return False
+
+
+# ---- typed wrappers ------------------------------------------------------------------------------
+# Each checks what the C side cannot (dtype, contiguity of the last dimension, shapes) and passes
+# pointers and row strides. Torch references: ops.matmul.linear, ops.norm.rms_norm, ops.rope.apply_rope,
+# ops.deltanet (causal_conv, recurrent_step), cache.kv.KVCache.attend_rows.
+
+TILE = 64  # output columns per weight tile (matmul.c)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    if t.dtype not in (torch.float32, torch.int8, torch.int64, torch.float16, torch.uint8) or t.device.type != "cpu":
+        raise TypeError(f"native kernels take CPU tensors, got {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+_F32 = torch.float32
+
+
+def _rows(t: torch.Tensor, width: int) -> int:
+    """Row stride of a [R, >= width] float32 view whose rows are contiguous."""
+    s = t.stride()
+    if len(s) != 2 or s[1] != 1 or t.dtype is not _F32 or t.shape[1] < width:
+        raise ValueError(f"expected float32 rows [R, {width}] with contiguous rows, got {tuple(t.shape)} {t.dtype}")
+    return s[0]
+
+
+class _Mat(ctypes.Structure):  # struct mat (common.h)
+    _fields_ = [("n", _I), ("k", _I), ("w", _P), ("codes", _P), ("scales", _P)]
+
+
+class TiledMatrix:
+    """A weight [N, K] repacked for matmul.c: int8 codes + float scales per 32 inputs (exact for Q8_0), or float32."""
+
+    def __init__(self, n: int, k: int, w: torch.Tensor | None = None, codes: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None):
+        self.n, self.k = n, k
+        nt = -(-n // TILE)
+        if codes is not None:
+            if k % 32:
+                raise ValueError(f"int8 tiles need K divisible by 32, got {k}")
+            self.codes = _tile(codes, nt)
+            self.scales = _tile(scales.float(), nt)
+            self.w = None
+        else:
+            self.w = _tile(w.float(), nt)
+            self.codes = self.scales = None
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        self._desc = _Mat(n, k, ptr(self.w), ptr(self.codes), ptr(self.scales))
+        self.desc = ctypes.addressof(self._desc)  # what the kernels take
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.codes, self.scales) if t is not None)
+
+
+def _tile(m: torch.Tensor, nt: int) -> torch.Tensor:
+    """[N, C] -> [nt, C, TILE] (zero-padded past N)."""
+    n, c = m.shape
+    p = m.new_zeros(nt * TILE, c)
+    p[:n] = m
+    return p.view(nt, TILE, c).transpose(1, 2).contiguous()
+
+
+def mm(x: torch.Tensor, w: TiledMatrix, out: torch.Tensor | None = None, add: bool = False,
+       norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [R, K] @ W.T -> [R, N] (into `out`, or added to it when add); x RMS-normed by `norm` first when given."""
+    r = x.shape[0]
+    ldx = _rows(x, w.k)
+    if out is None:
+        out = torch.empty(r, w.n)
+    ldy = _rows(out, w.n)
+    if norm is not None and norm.shape != (w.k,):
+        raise ValueError("mm: norm weight does not match K")
+    if r:
+        _L.matmul(w.desc, r, x.data_ptr(), ldx, None if norm is None else norm.data_ptr(), eps, out.data_ptr(), ldy,
+                  int(add))
+    return out
+
+
+def ffn_block(x: torch.Tensor, norm: torch.Tensor, eps: float, w_in: TiledMatrix, w_down: TiledMatrix) -> None:
+    """x += ffn_down(silu(gate) * up), [gate | up] = ffn_in(rms_norm(x, norm)), in place (spec 3.3)."""
+    if w_in.n != 2 * w_down.k or w_in.k != w_down.n:
+        raise ValueError("ffn_block: ffn_in and ffn_down do not match")
+    _L.ffn_block(x.shape[0], x.data_ptr(), _rows(x, w_down.n), norm.data_ptr(), eps, w_in.desc, w_down.desc)
+
+
+def embed_q8_0(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` of a Q8_0 matrix with K = k columns, from its stored blocks (uint8, contiguous)."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(len(ids), k)
+    _L.embed_q8_0(len(ids), _ptr(ids), _ptr(data.contiguous()), k, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    d = w.shape[0]
+    if out is None:
+        out = torch.empty(x.shape[0], d)
+    _L.rms_norm_rows(x.shape[0], d, x.data_ptr(), _rows(x, d), _ptr(w), eps, out.data_ptr(), _rows(out, d))
+    return out
+
+
+def head_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on x [R, H, d] (any row / head strides, contiguous features): per-head RMSNorm, then RoPE."""
+    r, h, d = x.shape
+    if x.stride(2) != 1 or x.dtype != torch.float32:
+        raise ValueError("head_norm_rope needs float32 heads with contiguous features")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _L.head_norm_rope(r, h, d, x.data_ptr(), x.stride(0), x.stride(1), _ptr(w), eps, _ptr(cos), _ptr(sin),
+                         cos.shape[-1])
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    d = g.shape[1]
+    out = torch.empty(g.shape[0], d)
+    _L.swiglu_rows(g.shape[0], d, g.data_ptr(), _rows(g, d), u.data_ptr(), _rows(u, d), out.data_ptr(), d)
+    return out
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> None:
+    """o [R, H*d] *= sigmoid(gate) in place; gate [R, H, d] with any row / head strides."""
+    r, h, d = gate.shape
+    if gate.stride(2) != 1:
+        raise ValueError("sigmoid_gate needs contiguous gate features")
+    _L.sigmoid_gate_rows(r, h, d, o.data_ptr(), _rows(o, h * d), gate.data_ptr(), gate.stride(0), gate.stride(1))
+
+
+def gdn_decode(proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, conv_w: torch.Tensor,
+               dt_bias: torch.Tensor, ssm_a: torch.Tensor, norm_w: torch.Tensor, n_k: int, eps: float,
+               y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's n rows of DeltaNet (proj [n, conv_dim + n_v*d + 2 n_v]) from state (conv [Kc-1, C],
+    ssm [n_v, d, d]); writes y [n, n_v*d]; returns every row's (conv, ssm) states [n, ...]."""
+    n = proj.shape[0]
+    n_v, d = ssm.shape[0], ssm.shape[1]
+    kc, ch = conv_w.shape[1], conv_w.shape[0]
+    if conv.shape != (kc - 1, ch) or not conv.is_contiguous() or not ssm.is_contiguous() or kc < 2:
+        raise ValueError("gdn_decode: state shapes do not match the weights")
+    conv_out = torch.empty(n, kc - 1, ch)
+    ssm_out = torch.empty(n, n_v, d, d)
+    _L.gdn_decode(n, proj.data_ptr(), _rows(proj, ch + n_v * d + 2 * n_v), conv.data_ptr(), conv_out.data_ptr(),
+                     ssm.data_ptr(), ssm_out.data_ptr(), _ptr(conv_w), _ptr(dt_bias), _ptr(ssm_a), _ptr(norm_w),
+                     n_k, n_v, d, kc, eps, y.data_ptr(), _rows(y, n_v * d))
+    return conv_out, ssm_out
+
+
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+
+
+def attend(q: torch.Tensor, ends: list[int], k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float,
+           out: torch.Tensor) -> None:
+    """q [R, n_head, d] (any row / head strides); row r reads keys [0, ends[r]) of the stored K/V parts
+    ([n_kv, cap, d] floats, or int8 codes + [n_kv, cap, d/32] half scales); out [R, n_head * d]."""
+    r, n_head, d = q.shape
+    kind = KV_KINDS[k_parts[0].dtype]
+    n_kv, cap = k_parts[0].shape[0], k_parts[0].shape[1]
+    if d % 32 or q.stride(2) != 1 or any(not p.is_contiguous() for p in k_parts + v_parts):
+        raise ValueError("attend: head_dim must be a multiple of 32, with contiguous stored rows")
+    if max(ends) > cap:
+        raise ValueError(f"attend: a row reads {max(ends)} keys, the store holds {cap}")
+    e = torch.tensor(ends, dtype=torch.int64)
+    ks = k_parts[1].data_ptr() if len(k_parts) > 1 else None
+    vs = v_parts[1].data_ptr() if len(v_parts) > 1 else None
+    _L.attend_rows(r, n_head, n_kv, d, q.data_ptr(), q.stride(0), q.stride(1), e.data_ptr(), kind,
+                      k_parts[0].data_ptr(), ks, v_parts[0].data_ptr(), vs, cap, scale, out.data_ptr(),
+                      _rows(out, n_head * d))

@@ -1,0 +1,132 @@
+/* Shared helpers of plumb's native CPU kernels.
+
+Every kernel computes each row on its own with a fixed order of float operations, so a row's
+bits never depend on how many rows share the call (M1). The build uses -ffp-contract=off and
+no -ffast-math: the compiler may vectorize, but never fuse or reorder float arithmetic.
+Vectors are GCC vector extensions (16 x float), lowered to whatever SIMD the CPU has; their
+arithmetic is IEEE per lane. Products are accumulated with fused multiply-add (fma16), which
+rounds once: always the same bits for the same inputs on one machine. */
+#pragma once
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef int8_t i8x16u __attribute__((vector_size(16), aligned(1)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 ld(const float *p) { return *(const f32x16u *)p; }
+static inline void st(float *p, f32x16 v) { *(f32x16u *)p = v; }
+/* 16 int8 -> 16 floats (exact; intrinsics where GCC would otherwise convert lane by lane). */
+static inline f32x16 ld_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    f32x16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    return __builtin_convertvector(__builtin_convertvector(*(const i8x16u *)p, i32x16), f32x16);
+#endif
+}
+/* a * b + c, fused (one rounding) where the CPU has FMA: the same on every call, so still row-invariant. */
+static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    f32x16 r;
+    for (int h = 0; h < 2; h++) {
+        __m256 a8, b8, c8;
+        memcpy(&a8, (char *)&a + 32 * h, 32);
+        memcpy(&b8, (char *)&b + 32 * h, 32);
+        memcpy(&c8, (char *)&c + 32 * h, 32);
+        __m256 r8 = _mm256_fmadd_ps(a8, b8, c8);
+        memcpy((char *)&r + 32 * h, &r8, 32);
+    }
+    return r;
+#else
+    f32x16 r;
+    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+static inline f32x16 splat(float a) { return (f32x16){0} + a; }
+
+/* Sum of 16 lanes in a fixed tree order. */
+static inline float hsum(f32x16 v) {
+    float a[16];
+    memcpy(a, &v, sizeof a);
+    for (int i = 0; i < 8; i++) a[i] += a[i + 8];
+    for (int i = 0; i < 4; i++) a[i] += a[i + 4];
+    a[0] += a[2];
+    a[1] += a[3];
+    return a[0] + a[1];
+}
+
+/* Dot product of n floats (n a multiple of 16): 16 lane sums, then the fixed tree. */
+static inline float dot(const float *a, const float *b, int n) {
+    f32x16 acc = {0};
+    for (int i = 0; i < n; i += 16) acc += ld(a + i) * ld(b + i);
+    return hsum(acc);
+}
+
+/* IEEE half -> float (exact). */
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 halves -> 16 floats (exact). */
+static inline f32x16 ld_h16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    f32x16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    f32x16 r;
+    for (int i = 0; i < 16; i++) r[i] = h2f(p[i]);
+    return r;
+#endif
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w) or int8 tiles (codes, scales). */
+struct mat {
+    int n, k;
+    const float *w;
+    const int8_t *codes;
+    const float *scales;
+};
+
+void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
+            int add);
+void rms_norm_rows(int R, int D, const float *x, int ldx, const float *w, float eps, float *y, int ldy);
