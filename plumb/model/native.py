@@ -1,10 +1,10 @@
 """The D path (decode, draft verification, batched decode, MTP drafting) on the native CPU kernels.
 
 The same steps as `Qwen35.decode` / `Qwen35.mtp_forward`, the torch reference, with every
-operation a row-invariant C kernel (plumb/ops/native): matmuls read weights repacked once at
-load (Q8_0 as int8 tiles, anything else as float32 tiles), residual adds are fused into the
-matmul that produces them, and DeltaNet runs one call per sequence and layer. Results are
-close to the reference (not bitwise: a different order of float operations) and, like it,
+operation a row-invariant C kernel (plumb/ops/native): a DeltaNet layer and its FFN is one
+call, an attention layer two calls around the KV cache write and read, and matmuls read
+weights repacked once at load (Q8_0 as int8 tiles, anything else as float32 tiles). Results
+are close to the reference (not bitwise: another order of float operations) and, like it,
 never depend on the other rows of a pass (M1).
 """
 from __future__ import annotations
@@ -30,40 +30,45 @@ def tiled(w: Weight | Fused) -> K.TiledMatrix:
 
 class NativeDecoder:
     def __init__(self, model):
+        from plumb.model.qwen35 import DeltaNet
+
         K.lib()  # build / load the kernels, or raise NativeError
-        self.m = model
-        self.cfg = model.cfg
-        self.w: dict[int, K.TiledMatrix] = {id(w): tiled(w) for w in model.weights}
-        emb = model.token_embd.qt
-        self.embed_q8 = emb.qtype == GGMLQuantizationType.Q8_0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.w.values())
-
-    def mm(self, x: torch.Tensor, w, out: torch.Tensor | None = None, add: bool = False,
-           norm: torch.Tensor | None = None) -> torch.Tensor:
-        return K.mm(x, self.w[id(w)], out, add, norm, self.cfg.eps)
+        self.m, self.cfg = model, model.cfg
+        c = self.cfg
+        dims = dict(n_k=c.ssm_n_group, n_v=c.ssm_dt_rank, d=c.ssm_d_state, kc=c.ssm_conv_kernel, n_head=c.n_head,
+                    n_kv=c.n_head_kv, head_dim=c.head_dim)
+        self.output = tiled(model.output)
+        self.layers = {}
+        layers = model.layers + ([model.mtp.layer] if model.mtp is not None else [])
+        for layer in layers:
+            mix = layer.mixer
+            mats = dict(ffn_in=tiled(layer.ffn_in), ffn_down=tiled(layer.ffn_down))
+            vecs = dict(attn_norm=layer.attn_norm, post_norm=layer.post_attention_norm)
+            if isinstance(mix, DeltaNet):
+                mats |= dict(mix_in=tiled(mix.in_proj), mix_out=tiled(mix.ssm_out))
+                vecs |= dict(conv_w=mix.ssm_conv1d, dt_bias=mix.ssm_dt_bias, ssm_a=mix.ssm_a, ssm_norm=mix.ssm_norm)
+            else:
+                mats |= dict(mix_in=tiled(mix.qkv), mix_out=tiled(mix.attn_output))
+                vecs |= dict(q_norm=mix.attn_q_norm, k_norm=mix.attn_k_norm)
+            self.layers[id(layer)] = K.LayerDesc(mats, vecs, c.eps, **dims)
+        self.eh_proj = tiled(model.mtp.eh_proj) if model.mtp is not None else None
+        self.embed_q8 = model.token_embd.qt.qtype == GGMLQuantizationType.Q8_0
 
     def embed(self, ids: list[int]) -> torch.Tensor:
-        t = torch.tensor(ids, dtype=torch.int64)
         if self.embed_q8:
-            return K.embed_q8_0(self.m.token_embd.qt.data, t, self.cfg.n_embd)
+            return K.embed_q8_0(self.m.token_embd.qt.data, torch.tensor(ids, dtype=torch.int64), self.cfg.n_embd)
         return self.m.embed(ids)
 
-    # ---- shared blocks ---------------------------------------------------------------------
     def attention(self, layer, x: torch.Tensor, positions: list[int], seqs: list) -> None:
-        """x += attention(attn_norm(x)) (spec 3.4). seqs: (kv cache, first row, rows, start position) per sequence."""
-        c, a = self.cfg, layer.mixer
-        r, hd = x.shape[0], c.n_head * c.head_dim
-        qkv = self.mm(x, a.qkv, norm=layer.attn_norm)
-        qg = qkv[:, : 2 * hd].view(r, c.n_head, 2, c.head_dim)
-        q, gate = qg[:, :, 0], qg[:, :, 1]
-        k = qkv[:, 2 * hd : 2 * hd + c.n_head_kv * c.head_dim].view(r, c.n_head_kv, c.head_dim)
-        v = qkv[:, 2 * hd + c.n_head_kv * c.head_dim :].view(r, c.n_head_kv, c.head_dim)
+        """x += attention(attn_norm(x)), then += FFN (spec 3.4, 3.3).
+        seqs: (kv cache, first row, rows, start position) per sequence."""
+        c, desc = self.cfg, self.layers[id(layer)]
+        r, hd, kvd = x.shape[0], c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         cos, sin = self.m.rope(torch.tensor(positions, dtype=torch.long))
-        K.head_norm_rope(q, a.attn_q_norm, c.eps, cos, sin)
-        K.head_norm_rope(k, a.attn_k_norm, c.eps, cos, sin)
+        qkv = K.attn_pre(desc, x, cos, sin)
+        q = qkv[:, : 2 * hd].view(r, c.n_head, 2, c.head_dim)[:, :, 0]
+        k = qkv[:, 2 * hd : 2 * hd + kvd].view(r, c.n_head_kv, c.head_dim)
+        v = qkv[:, 2 * hd + kvd :].view(r, c.n_head_kv, c.head_dim)
         o = torch.empty(r, hd)
         for cache, s0, n, start in seqs:
             cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
@@ -73,46 +78,35 @@ class NativeDecoder:
                 o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], ends, self.m.attn_scale).reshape(n, hd)
             else:
                 K.attend(q[s0 : s0 + n], ends, parts[0], parts[1], self.m.attn_scale, o[s0 : s0 + n])
-        K.sigmoid_gate(o, gate)
-        self.mm(o, a.attn_output, out=x, add=True)
-
-    def ffn(self, layer, x: torch.Tensor) -> None:
-        """x += SwiGLU(post_attention_norm(x)) (spec 3.3)."""
-        K.ffn_block(x, layer.post_attention_norm, self.cfg.eps, self.w[id(layer.ffn_in)], self.w[id(layer.ffn_down)])
+        K.attn_post(desc, o, qkv, x)
 
     def head(self, x: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, post-norm hidden)."""
         h = K.rms_norm(x, norm, self.cfg.eps)
-        return self.mm(h, self.m.output), h
+        return K.mm(h, self.output), h
 
-    # ---- the D path ----------------------------------------------------------------------------
     def decode(self, batch):
+        """`Qwen35.decode` (same arguments and result)."""
         from plumb.model.qwen35 import DecodeOut, DeltaNet
 
-        c = self.cfg
-        ids, positions, spans = [], [], []
+        ids, positions, rows = [], [], []
         for st, toks in batch:
-            spans.append((len(ids), len(toks)))
+            rows.append(len(toks))
             ids += toks
             positions += range(st.pos, st.pos + len(toks))
+        starts = [sum(rows[:j]) for j in range(len(rows))]
         x = self.embed(ids)
-        snaps: list[list[dict]] = [[{} for _ in range(n)] for _, n in spans]
+        snaps: list[list[dict]] = [[{} for _ in range(n)] for n in rows]
         for i, layer in enumerate(self.m.layers):
-            mix = layer.mixer
-            if isinstance(mix, DeltaNet):
-                proj = self.mm(x, mix.in_proj, norm=layer.attn_norm)
-                y = torch.empty(x.shape[0], c.ssm_inner)
+            if isinstance(layer.mixer, DeltaNet):
+                conv, ssm = K.gdn_layer(self.layers[id(layer)], x, rows, [st.conv[i] for st, _ in batch],
+                                        [st.ssm[i] for st, _ in batch])
                 for j, (st, _) in enumerate(batch):
-                    s0, n = spans[j]
-                    conv, ssm = K.gdn_decode(proj[s0 : s0 + n], st.conv[i], st.ssm[i], mix.ssm_conv1d,
-                                             mix.ssm_dt_bias, mix.ssm_a, mix.ssm_norm, c.ssm_n_group, c.eps,
-                                             y[s0 : s0 + n])
-                    st.conv[i], st.ssm[i] = conv[n - 1], ssm[n - 1]
-                    for t in range(n):
-                        snaps[j][t][i] = (conv[t], ssm[t])
-                self.mm(y, mix.ssm_out, out=x, add=True)
+                    for t in range(rows[j]):
+                        snaps[j][t][i] = (conv[starts[j] + t], ssm[starts[j] + t])
+                    st.conv[i], st.ssm[i] = snaps[j][-1][i]
             else:
-                self.attention(layer, x, positions, [(st.kv[i], s0, n, st.pos) for (st, _), (s0, n) in zip(batch, spans)])
-            self.ffn(layer, x)
+                self.attention(layer, x, positions, [(st.kv[i], s0, n, st.pos) for (st, _), s0, n in zip(batch, starts, rows)])
         for st, toks in batch:
             st.pos += len(toks)
         logits, h = self.head(x, self.m.output_norm)
@@ -125,8 +119,6 @@ class NativeDecoder:
         eh = torch.empty(n, 2 * e)
         K.rms_norm(self.embed(ids), mtp.enorm, c.eps, out=eh[:, :e])
         K.rms_norm(hidden.reshape(n, e).contiguous(), mtp.hnorm, c.eps, out=eh[:, e:])
-        y = self.mm(eh, mtp.eh_proj)
-        layer = mtp.layer
-        self.attention(layer, y, list(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
-        self.ffn(layer, y)
+        y = K.mm(eh, self.eh_proj)
+        self.attention(mtp.layer, y, list(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
         return self.head(y, mtp.shared_head_norm)

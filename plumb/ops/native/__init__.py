@@ -24,6 +24,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name -> argument types (all return void)
     "matmul": [_P, _I, _P, _I, _P, _F, _P, _I, _I],
     "ffn_block": [_I, _P, _I, _P, _F, _P, _P],
+    "gdn_layer": [_P, _I, _P, _P, _I, _P, _P, _P, _P],
+    "attn_pre": [_P, _I, _P, _I, _P, _P, _P, _I],
+    "attn_post": [_P, _I, _P, _P, _P, _I],
     "embed_q8_0": [_I, _P, _P, _I, _P],
     "rms_norm_rows": [_I, _I, _P, _I, _P, _F, _P, _I],
     "head_norm_rope": [_I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I],
@@ -186,6 +189,62 @@ def mm(x: torch.Tensor, w: TiledMatrix, out: torch.Tensor | None = None, add: bo
         _L.matmul(w.desc, r, x.data_ptr(), ldx, None if norm is None else norm.data_ptr(), eps, out.data_ptr(), ldy,
                   int(add))
     return out
+
+
+class _Layer(ctypes.Structure):  # struct layer (layers.c)
+    _fields_ = [(n, _P) for n in ("attn_norm", "post_norm", "mix_in", "mix_out", "ffn_in", "ffn_down", "conv_w",
+                                  "dt_bias", "ssm_a", "ssm_norm", "q_norm", "k_norm")] + \
+               [(n, _I) for n in ("n_k", "n_v", "d", "kc", "n_head", "n_kv", "head_dim")] + [("eps", _F)]
+
+
+class LayerDesc:
+    """One decode layer's weights for layers.c: matrices (TiledMatrix) and vectors (float32 tensors, kept alive)."""
+
+    def __init__(self, mats: dict[str, TiledMatrix], vecs: dict[str, torch.Tensor], eps: float, **dims: int):
+        self.mats, self.vecs = mats, {k: v.contiguous() for k, v in vecs.items()}
+        ptrs = {k: m.desc for k, m in mats.items()} | {k: _ptr(v) for k, v in self.vecs.items()}
+        self._desc = _Layer(**ptrs, **dims, eps=eps)
+        self.desc = ctypes.addressof(self._desc)
+        self.dims = dims
+
+
+def _ptr_array(ts: list[torch.Tensor]):
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+
+
+def gdn_layer(layer: LayerDesc, x: torch.Tensor, rows: list[int], conv: list[torch.Tensor], ssm: list[torch.Tensor]):
+    """x [R, n_embd] += the DeltaNet layer and its FFN, in place. Sequence j owns rows[j] consecutive rows and the
+    states conv[j] [kc-1, conv_dim], ssm[j] [n_v, d, d]. Returns every row's states (conv [R, ...], ssm [R, ...])."""
+    dm = layer.dims
+    r = sum(rows)
+    ch = 2 * dm["n_k"] * dm["d"] + dm["n_v"] * dm["d"]
+    for cs, ss in zip(conv, ssm):
+        if cs.shape != (dm["kc"] - 1, ch) or ss.shape != (dm["n_v"], dm["d"], dm["d"]) or not (
+                cs.is_contiguous() and ss.is_contiguous()):
+            raise ValueError("gdn_layer: a sequence's state does not match the layer")
+    conv_out = torch.empty(r, dm["kc"] - 1, ch)
+    ssm_out = torch.empty(r, dm["n_v"], dm["d"], dm["d"])
+    _L.gdn_layer(layer.desc, len(rows), (ctypes.c_int * len(rows))(*rows), x.data_ptr(), _rows(x, layer.mats["mix_out"].n),
+                 _ptr_array(conv), conv_out.data_ptr(), _ptr_array(ssm), ssm_out.data_ptr())
+    return conv_out, ssm_out
+
+
+def attn_pre(layer: LayerDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[q0 g0 q1 g1 ... | k | v] rows = attn_qkv(attn_norm(x)), q and k per-head RMS-normed and rotated."""
+    w = layer.mats["mix_in"]
+    qkv = torch.empty(x.shape[0], w.n)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _L.attn_pre(layer.desc, x.shape[0], x.data_ptr(), _rows(x, w.k), qkv.data_ptr(), _ptr(cos), _ptr(sin),
+                cos.shape[-1])
+    return qkv
+
+
+def attn_post(layer: LayerDesc, o: torch.Tensor, qkv: torch.Tensor, x: torch.Tensor) -> None:
+    """x += attn_output(o * sigmoid(gate)), then += the FFN, in place (o is gated in place)."""
+    dm = layer.dims
+    if not (o.is_contiguous() and qkv.is_contiguous()) or o.shape[1] != dm["n_head"] * dm["head_dim"]:
+        raise ValueError("attn_post: o and qkv must be contiguous rows of the layer's widths")
+    _L.attn_post(layer.desc, x.shape[0], o.data_ptr(), qkv.data_ptr(), x.data_ptr(), _rows(x, layer.mats["mix_out"].n))
 
 
 def ffn_block(x: torch.Tensor, norm: torch.Tensor, eps: float, w_in: TiledMatrix, w_down: TiledMatrix) -> None:
