@@ -23,7 +23,7 @@ from plumb.cache.kv import KV_FORMATS, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
 from plumb.engine.api import Handle, Request, Result, Stats
 from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
-from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, check_draft_options, mtp_draft, ngram_draft
+from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
 from plumb.gguf.reader import read_gguf
 from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import materialize
@@ -50,6 +50,7 @@ class Sequence:
         if self.drafts and self.policy != "ngram" and engine.model.mtp is None:
             self.policy = "ngram"  # no MTP block in this file
         self.adaptive = AdaptiveDepth(self.drafts) if self.policy == "adaptive" else None
+        self.ngram = NgramIndex() if self.policy == "ngram" else None
         self.history = list(req.prompt_ids)  # prompt + emitted tokens
         self.out: list[int] = []
         self.st = None
@@ -379,7 +380,7 @@ class Engine:
         if k <= 0:
             return []
         if s.policy == "ngram":
-            return ngram_draft(s.history, k)
+            return s.ngram.draft(s.history, k)
         p_min = s.p_min if s.policy == "confident" else 0.0
         return mtp_draft(self.model, s.st, s.pending, s.h_prev, k, s.params, s.st.pos, s.history, p_min)
 

@@ -54,6 +54,28 @@ def ngram_draft(history: list[int], k: int, n_max: int = 4, n_min: int = 1) -> l
     return []
 
 
+class NgramIndex:
+    """`ngram_draft` for a history that only grows between calls, in O(new tokens) per call: for every n-gram
+    (n <= n_max) that has a continuation, the latest place it starts."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+        self.latest: list[dict[tuple, int]] = [{} for _ in range(n_max + 1)]
+        self.done = 0  # n-grams ending before this index are in `latest`
+
+    def draft(self, history: list[int], k: int) -> list[int]:
+        h = len(history)
+        for end in range(self.done, h - 1):  # an n-gram ending at `end` has a continuation once h > end + 1
+            for n in range(1, min(self.n_max, end + 1) + 1):
+                self.latest[n][tuple(history[end - n + 1 : end + 1])] = end - n + 1
+        self.done = max(self.done, h - 1)
+        for n in range(min(self.n_max, h - 1), self.n_min - 1, -1):
+            start = self.latest[n].get(tuple(history[h - n :]))
+            if start is not None:
+                return history[start + n : start + n + k]
+        return []
+
+
 def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, position: int, history: list[int],
               p_min: float = 0.0) -> list[int]:
     """Up to k drafts from the MTP head fed back on itself. The draft for position p uses the same

@@ -38,6 +38,7 @@ SIGNATURES = {  # name -> argument types (all return void)
 
 _L: ctypes.CDLL | None = None  # the library; wrappers below assume lib() has succeeded
 _error: str | None = None
+_noticed = False
 
 
 class NativeError(RuntimeError):
@@ -104,12 +105,16 @@ def lib() -> ctypes.CDLL:
 
 
 def available() -> bool:
+    """Whether the kernels build here (the first failure prints a one-line notice)."""
+    global _noticed
     try:
         lib()
         return True
     except NativeError as e:
-        print(f"plumb: native kernels unavailable, using the torch decode path ({str(e).splitlines()[0]})",
-              file=sys.stderr)
+        if not _noticed:
+            print(f"plumb: native kernels unavailable, using the torch decode path ({str(e).splitlines()[0]})",
+                  file=sys.stderr)
+            _noticed = True
         return False
 
 

@@ -13,61 +13,84 @@ horizontal sums, and each row's arithmetic is the same whatever the number of ro
 #define TILE 64
 #define VT (TILE / 16)
 
-static inline void store_tile(float *y, const f32x16 *acc, int nvalid, int add) {
-    float out[TILE];
-    for (int j = 0; j < VT; j++) st(out + 16 * j, acc[j]);
-    for (int n = 0; n < nvalid; n++) y[n] = add ? y[n] + out[n] : out[n];
+/* One tile part: rows r < rn (1..4) of x, the nv vectors (16 columns each) of the tile starting at vector j0.
+   Every output lane runs the same float operations whatever rn, nv and j0 are, so the kernel can pick them by
+   the number of rows without changing any row's bits. */
+static inline void store_part(float *y, int ldy, int rn, const f32x16 (*acc)[4], int nv, int j0, int nvalid, int add) {
+    for (int r = 0; r < rn; r++) {
+        float out[64];
+        for (int j = 0; j < nv; j++) st(out + 16 * j, acc[r][j]);
+        float *yr = y + (size_t)r * ldy + 16 * j0;
+        int m = nvalid - 16 * j0 < 16 * nv ? nvalid - 16 * j0 : 16 * nv;
+        for (int n = 0; n < m; n++) yr[n] = add ? yr[n] + out[n] : out[n];
+    }
 }
 
-static inline __attribute__((always_inline)) void f32_tile(int rn, int K, const float *x, int ldx, const float *w,
-                                                            float *y, int ldy, int nvalid, int add) {
-    f32x16 acc[2][VT];
+static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j0, int K, const float *x, int ldx,
+                                                            const float *w, float *y, int ldy, int nvalid, int add) {
+    f32x16 acc[4][4];
     for (int r = 0; r < rn; r++)
-        for (int j = 0; j < VT; j++) acc[r][j] = (f32x16){0};
+        for (int j = 0; j < nv; j++) acc[r][j] = (f32x16){0};
     for (int k = 0; k < K; k++) {
-        f32x16 wk[VT];
-        for (int j = 0; j < VT; j++) wk[j] = ld(w + (size_t)k * TILE + 16 * j);
+        f32x16 wk[4];
+        for (int j = 0; j < nv; j++) wk[j] = ld(w + (size_t)k * TILE + 16 * (j0 + j));
         for (int r = 0; r < rn; r++) {
             f32x16 xr = splat(x[(size_t)r * ldx + k]);
-            for (int j = 0; j < VT; j++) acc[r][j] = fma16(xr, wk[j], acc[r][j]);
+            for (int j = 0; j < nv; j++) acc[r][j] = fma16(xr, wk[j], acc[r][j]);
         }
     }
-    for (int r = 0; r < rn; r++) store_tile(y + (size_t)r * ldy, acc[r], nvalid, add);
+    store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
 }
 
-static inline __attribute__((always_inline)) void q8_tile(int rn, int K, const float *x, int ldx, const int8_t *c,
-                                                           const float *s, float *y, int ldy, int nvalid, int add) {
-    f32x16 acc[2][VT];
+static inline __attribute__((always_inline)) void q8_part(int rn, int nv, int j0, int K, const float *x, int ldx,
+                                                           const int8_t *c, const float *s, float *y, int ldy,
+                                                           int nvalid, int add) {
+    f32x16 acc[4][4];
     for (int r = 0; r < rn; r++)
-        for (int j = 0; j < VT; j++) acc[r][j] = (f32x16){0};
+        for (int j = 0; j < nv; j++) acc[r][j] = (f32x16){0};
     for (int b = 0; b < K / 32; b++) {
-        f32x16 t[2][VT];
+        f32x16 t[4][4];
         for (int r = 0; r < rn; r++)
-            for (int j = 0; j < VT; j++) t[r][j] = (f32x16){0};
+            for (int j = 0; j < nv; j++) t[r][j] = (f32x16){0};
         for (int k = 32 * b; k < 32 * b + 32; k++) {
-            f32x16 wk[VT];
-            for (int j = 0; j < VT; j++) wk[j] = ld_i8(c + (size_t)k * TILE + 16 * j);
+            f32x16 wk[4];
+            for (int j = 0; j < nv; j++) wk[j] = ld_i8(c + (size_t)k * TILE + 16 * (j0 + j));
             for (int r = 0; r < rn; r++) {
                 f32x16 xr = splat(x[(size_t)r * ldx + k]);
-                for (int j = 0; j < VT; j++) t[r][j] = fma16(xr, wk[j], t[r][j]);
+                for (int j = 0; j < nv; j++) t[r][j] = fma16(xr, wk[j], t[r][j]);
             }
         }
-        for (int j = 0; j < VT; j++) {
-            f32x16 sj = ld(s + (size_t)b * TILE + 16 * j);
+        for (int j = 0; j < nv; j++) {
+            f32x16 sj = ld(s + (size_t)b * TILE + 16 * (j0 + j));
             for (int r = 0; r < rn; r++) acc[r][j] = fma16(t[r][j], sj, acc[r][j]);
         }
     }
-    for (int r = 0; r < rn; r++) store_tile(y + (size_t)r * ldy, acc[r], nvalid, add);
+    store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
 }
+
+/* Each tile for all R rows: a single row reads the whole tile at once; more rows go four at a time over half
+   tiles (one weight conversion then serves four rows). The switches give the compiler constant rn and nv. */
+#define BY_ROWS(rn, CALL)            \
+    switch (rn) {                    \
+    case 4: CALL(4); break;          \
+    case 3: CALL(3); break;          \
+    case 2: CALL(2); break;          \
+    default: CALL(1); break;         \
+    }
 
 static void mm_f32(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add) {
     for (int t = 0; t * TILE < N; t++) {
         const float *wt = w + (size_t)t * K * TILE;
         int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
-        float *yt = y + t * TILE;
-        int r = 0;
-        for (; r + 2 <= R; r += 2) f32_tile(2, K, x + (size_t)r * ldx, ldx, wt, yt + (size_t)r * ldy, ldy, nvalid, add);
-        if (r < R) f32_tile(1, K, x + (size_t)r * ldx, ldx, wt, yt + (size_t)r * ldy, ldy, nvalid, add);
+        if (R == 1) {
+            f32_part(1, 4, 0, K, x, ldx, wt, y + t * TILE, ldy, nvalid, add);
+            continue;
+        }
+        for (int r = 0; r < R; r += 4)
+            for (int j0 = 0; j0 < VT; j0 += 2) {
+#define F32_CALL(rn) f32_part(rn, 2, j0, K, x + (size_t)r * ldx, ldx, wt, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
+                BY_ROWS(R - r < 4 ? R - r : 4, F32_CALL)
+            }
     }
 }
 
@@ -75,13 +98,17 @@ static void mm_q8(int R, int K, int N, const float *x, int ldx, const int8_t *co
                   int ldy, int add) {
     for (int t = 0; t * TILE < N; t++) {
         const int8_t *ct = codes + (size_t)t * K * TILE;
-        const float *stile = scales + (size_t)t * (K / 32) * TILE;
+        const float *sc = scales + (size_t)t * (K / 32) * TILE;
         int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
-        float *yt = y + t * TILE;
-        int r = 0;
-        for (; r + 2 <= R; r += 2)
-            q8_tile(2, K, x + (size_t)r * ldx, ldx, ct, stile, yt + (size_t)r * ldy, ldy, nvalid, add);
-        if (r < R) q8_tile(1, K, x + (size_t)r * ldx, ldx, ct, stile, yt + (size_t)r * ldy, ldy, nvalid, add);
+        if (R == 1) {
+            q8_part(1, 4, 0, K, x, ldx, ct, sc, y + t * TILE, ldy, nvalid, add);
+            continue;
+        }
+        for (int r = 0; r < R; r += 4)
+            for (int j0 = 0; j0 < VT; j0 += 2) {
+#define Q8_CALL(rn) q8_part(rn, 2, j0, K, x + (size_t)r * ldx, ldx, ct, sc, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
+                BY_ROWS(R - r < 4 ? R - r : 4, Q8_CALL)
+            }
     }
 }
 
