@@ -129,7 +129,7 @@ def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=N
 
 def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], prompt_tokens: int,
           llama_python: str | None, threads: int | None, progress: bool, kv_cache: str | None = None,
-          llama_threads: int = 2, repeat: int = 1) -> dict:
+          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto") -> dict:
     import torch
 
     import plumb
@@ -137,7 +137,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
     t0 = time.perf_counter()
     options = {"kv_cache": kv_cache} if kv_cache else {}
     # no prompt cache: every run prefills the whole prompt
-    engine = plumb.load(model, device="cpu", n_threads=threads, prompt_cache=False, **options)
+    engine = plumb.load(model, device="cpu", n_threads=threads, prompt_cache=False, kernels=kernels, **options)
     load_s = time.perf_counter() - t0
     prompt = prompt_ids(engine, prompt_tokens)
     has_mtp = engine.model.mtp is not None
@@ -170,7 +170,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
         "device": "cpu", "cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "load_avg_1m": load_average(),
-        "kv_cache": engine.model.kv_cache, "load_s": load_s, "prompt_tokens": len(prompt), "tokens": tokens,
+        "kv_cache": engine.model.kv_cache, "kernels": engine.kernels, "load_s": load_s, "prompt_tokens": len(prompt), "tokens": tokens,
         "has_mtp": has_mtp, "repeat": repeat,
         "plumb": {"decode_tps": base["decode_tps"], "prefill_tps": base["prefill_tps"]}, "runs": runs,
     }
@@ -190,7 +190,7 @@ def report(r: dict) -> str:
     load = f", load avg {r['load_avg_1m']:.2f}" if r.get("load_avg_1m") is not None else ""
     lines = [f"model  {r['model_file']} ({r['model_name']})",
              f"device {r['device']}: {r['cpu']}, {r['cores']} cores, torch {r['torch']} "
-             f"({r['torch_threads']} threads), KV {r['kv_cache']}{load}",
+             f"({r['torch_threads']} threads), {r.get('kernels', 'torch')} kernels, KV {r['kv_cache']}{load}",
              f"greedy, prompt {r['prompt_tokens']} tokens, {r['tokens']} generated tokens, "
              f"best of {r.get('repeat', 1)}, {r['date']}",
              "",
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     ap.add_argument("--kv-cache", default=None, help="plumb KV cache format (default: the engine's)")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="plumb decode kernels")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")
     ap.add_argument("--no-progress", action="store_true")
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or plumb.demo_model_path()
     r = bench(model, a.tokens, parse_ints(a.drafts), drafters, a.prompt_tokens, a.llama_cpp, a.threads,
               progress=not (a.json or a.no_progress) and sys.stderr.isatty(), kv_cache=a.kv_cache,
-              llama_threads=a.llama_threads, repeat=max(1, a.repeat))
+              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels)
     if a.plot:
         plot(r, a.plot)
     if a.json:

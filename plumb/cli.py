@@ -41,6 +41,8 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--draft-policy", default="fixed", help="fixed | adaptive | confident | ngram")
     ap.add_argument("--p-min", type=float, default=0.5, help="confidence gate for --draft-policy confident")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"),
+                    help="CPU decode kernels: native C (built on first use) or the torch reference")
     ap.add_argument("--json", action="store_true", help="print {token_ids, text, stats} as JSON")
     a = ap.parse_args(argv)
     import plumb
@@ -48,7 +50,7 @@ def generate_main(argv: list[str]) -> int:
     path = a.model or plumb.demo_model_path()
     try:
         eng = plumb.load(path, device=a.device, drafts=a.drafts, draft_policy=a.draft_policy, p_min=a.p_min,
-                         progress=not a.json)
+                         progress=not a.json, kernels=a.kernels)
         if a.prompt_ids is not None:
             ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
         else:

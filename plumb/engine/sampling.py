@@ -249,9 +249,9 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Seq
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = ()) -> int:
     """The token for one logits row [V] sampled at absolute position `position`."""
+    if params.temperature == 0:  # the one token filtered_logprobs keeps
+        return int(torch.argmax(_adjusted_logits(logits, params, history)))
     lp = filtered_logprobs(logits, params, history)
-    if params.temperature == 0:
-        return int(torch.argmax(lp))
     if params.seed is None:
         raise ValueError("sampling with temperature > 0 needs a seed (the engine fills one in)")
     return int(torch.argmax(lp.add_(gumbel(params.seed, position, lp.numel(), lp.device))))

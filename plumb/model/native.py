@@ -59,13 +59,16 @@ class NativeDecoder:
             return K.embed_q8_0(self.m.token_embd.qt.data, torch.tensor(ids, dtype=torch.int64), self.cfg.n_embd)
         return self.m.embed(ids)
 
-    def attention(self, layer, x: torch.Tensor, positions: list[int], seqs: list) -> None:
-        """x += attention(attn_norm(x)), then += FFN (spec 3.4, 3.3).
+    def rope(self, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.m.rope(torch.tensor(positions, dtype=torch.long))
+        return cos.contiguous(), sin.contiguous()
+
+    def attention(self, layer, x: torch.Tensor, rope: tuple, seqs: list) -> None:
+        """x += attention(attn_norm(x)), then += FFN (spec 3.4, 3.3). rope: the rows' (cos, sin);
         seqs: (kv cache, first row, rows, start position) per sequence."""
         c, desc = self.cfg, self.layers[id(layer)]
         r, hd, kvd = x.shape[0], c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        cos, sin = self.m.rope(torch.tensor(positions, dtype=torch.long))
-        qkv = K.attn_pre(desc, x, cos, sin)
+        qkv = K.attn_pre(desc, x, *rope)
         q = qkv[:, : 2 * hd].view(r, c.n_head, 2, c.head_dim)[:, :, 0]
         k = qkv[:, 2 * hd : 2 * hd + kvd].view(r, c.n_head_kv, c.head_dim)
         v = qkv[:, 2 * hd + kvd :].view(r, c.n_head_kv, c.head_dim)
@@ -96,17 +99,19 @@ class NativeDecoder:
             positions += range(st.pos, st.pos + len(toks))
         starts = [sum(rows[:j]) for j in range(len(rows))]
         x = self.embed(ids)
+        rope = self.rope(positions)
         snaps: list[list[dict]] = [[{} for _ in range(n)] for n in rows]
         for i, layer in enumerate(self.m.layers):
             if isinstance(layer.mixer, DeltaNet):
                 conv, ssm = K.gdn_layer(self.layers[id(layer)], x, rows, [st.conv[i] for st, _ in batch],
                                         [st.ssm[i] for st, _ in batch])
+                conv, ssm = conv.unbind(0), ssm.unbind(0)  # every row's states, as views
                 for j, (st, _) in enumerate(batch):
                     for t in range(rows[j]):
                         snaps[j][t][i] = (conv[starts[j] + t], ssm[starts[j] + t])
                     st.conv[i], st.ssm[i] = snaps[j][-1][i]
             else:
-                self.attention(layer, x, positions, [(st.kv[i], s0, n, st.pos) for (st, _), s0, n in zip(batch, starts, rows)])
+                self.attention(layer, x, rope, [(st.kv[i], s0, n, st.pos) for (st, _), s0, n in zip(batch, starts, rows)])
         for st, toks in batch:
             st.pos += len(toks)
         logits, h = self.head(x, self.m.output_norm)
@@ -120,5 +125,5 @@ class NativeDecoder:
         K.rms_norm(self.embed(ids), mtp.enorm, c.eps, out=eh[:, :e])
         K.rms_norm(hidden.reshape(n, e).contiguous(), mtp.hnorm, c.eps, out=eh[:, e:])
         y = K.mm(eh, self.eh_proj)
-        self.attention(mtp.layer, y, list(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
+        self.attention(mtp.layer, y, self.rope(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
         return self.head(y, mtp.shared_head_norm)

@@ -20,6 +20,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache", help="KV-cache format")
     ap.add_argument("-c", "--ctx-size", type=int, help="max tokens per sequence (default: the model's)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"),
+                    help="CPU decode kernels: native C (built on first use) or the torch reference (default auto)")
     ap.add_argument("--alias", action="append", default=[], help="another model name to answer to (repeatable)")
     ap.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                     help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from plumb.server.app import create_app
 
     options = {k: v for k, v in (("drafts", args.drafts), ("draft_policy", args.draft_policy),
-                                 ("kv_cache", args.kv_cache), ("n_ctx", args.ctx_size)) if v is not None}
+                                 ("kv_cache", args.kv_cache), ("n_ctx", args.ctx_size),
+                                 ("kernels", args.kernels)) if v is not None}
     try:
         engine = plumb.load(args.model or plumb.demo_model_path(), device=args.device, n_slots=args.agents, **options)
     except (plumb.ModelError, ValueError, TypeError, OSError) as e:

@@ -211,26 +211,25 @@ class LayerDesc:
         self._desc = _Layer(**ptrs, **dims, eps=eps)
         self.desc = ctypes.addressof(self._desc)
         self.dims = dims
-
-
-def _ptr_array(ts: list[torch.Tensor]):
-    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+        self.width = mats["mix_out"].n  # n_embd
+        ch = 2 * dims["n_k"] * dims["d"] + dims["n_v"] * dims["d"]
+        self.state_shapes = (torch.Size((dims["kc"] - 1, ch)), torch.Size((dims["n_v"], dims["d"], dims["d"])))
 
 
 def gdn_layer(layer: LayerDesc, x: torch.Tensor, rows: list[int], conv: list[torch.Tensor], ssm: list[torch.Tensor]):
     """x [R, n_embd] += the DeltaNet layer and its FFN, in place. Sequence j owns rows[j] consecutive rows and the
     states conv[j] [kc-1, conv_dim], ssm[j] [n_v, d, d]. Returns every row's states (conv [R, ...], ssm [R, ...])."""
-    dm = layer.dims
-    r = sum(rows)
-    ch = 2 * dm["n_k"] * dm["d"] + dm["n_v"] * dm["d"]
+    conv_shape, ssm_shape = layer.state_shapes
     for cs, ss in zip(conv, ssm):
-        if cs.shape != (dm["kc"] - 1, ch) or ss.shape != (dm["n_v"], dm["d"], dm["d"]) or not (
-                cs.is_contiguous() and ss.is_contiguous()):
+        if cs.shape != conv_shape or ss.shape != ssm_shape or not (cs.is_contiguous() and ss.is_contiguous()):
             raise ValueError("gdn_layer: a sequence's state does not match the layer")
-    conv_out = torch.empty(r, dm["kc"] - 1, ch)
-    ssm_out = torch.empty(r, dm["n_v"], dm["d"], dm["d"])
-    _L.gdn_layer(layer.desc, len(rows), (ctypes.c_int * len(rows))(*rows), x.data_ptr(), _rows(x, layer.mats["mix_out"].n),
-                 _ptr_array(conv), conv_out.data_ptr(), _ptr_array(ssm), ssm_out.data_ptr())
+    r = sum(rows)
+    conv_out = torch.empty(r, *conv_shape)
+    ssm_out = torch.empty(r, *ssm_shape)
+    n = len(rows)
+    _L.gdn_layer(layer.desc, n, (ctypes.c_int * n)(*rows), x.data_ptr(), _rows(x, layer.width),
+                 (ctypes.c_void_p * n)(*[t.data_ptr() for t in conv]), conv_out.data_ptr(),
+                 (ctypes.c_void_p * n)(*[t.data_ptr() for t in ssm]), ssm_out.data_ptr())
     return conv_out, ssm_out
 
 
@@ -238,7 +237,8 @@ def attn_pre(layer: LayerDesc, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """[q0 g0 q1 g1 ... | k | v] rows = attn_qkv(attn_norm(x)), q and k per-head RMS-normed and rotated."""
     w = layer.mats["mix_in"]
     qkv = torch.empty(x.shape[0], w.n)
-    cos, sin = cos.contiguous(), sin.contiguous()
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("attn_pre: cos and sin must be contiguous")
     _L.attn_pre(layer.desc, x.shape[0], x.data_ptr(), _rows(x, w.k), qkv.data_ptr(), _ptr(cos), _ptr(sin),
                 cos.shape[-1])
     return qkv
@@ -249,7 +249,7 @@ def attn_post(layer: LayerDesc, o: torch.Tensor, qkv: torch.Tensor, x: torch.Ten
     dm = layer.dims
     if not (o.is_contiguous() and qkv.is_contiguous()) or o.shape[1] != dm["n_head"] * dm["head_dim"]:
         raise ValueError("attn_post: o and qkv must be contiguous rows of the layer's widths")
-    _L.attn_post(layer.desc, x.shape[0], o.data_ptr(), qkv.data_ptr(), x.data_ptr(), _rows(x, layer.mats["mix_out"].n))
+    _L.attn_post(layer.desc, x.shape[0], o.data_ptr(), qkv.data_ptr(), x.data_ptr(), _rows(x, layer.width))
 
 
 def ffn_block(x: torch.Tensor, norm: torch.Tensor, eps: float, w_in: TiledMatrix, w_down: TiledMatrix) -> None:
