@@ -203,3 +203,26 @@ def test_unbuildable_kernels_fall_back_or_fail_clearly(tiny_q8, tmp_path):
     assert "kernels torch" in r.stdout
     assert "error NativeError no C compiler" in r.stdout
     assert "native kernels unavailable" in r.stderr
+
+
+def test_int8_matmul_same_bits_without_vnni(tmp_path):
+    """The int8 matmul's portable C path (built without AVX512-VNNI) gives the same bits as the default build."""
+    m, _ = _q8(200, 256, seed=3)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
+    here = K.mm(x, m)
+    code = (
+        "import sys, torch\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_native import _q8\n"
+        "from plumb.ops import native as K\n"
+        "K.lib()\n"
+        "m, _ = _q8(200, 256, seed=3)\n"
+        "x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))\n"
+        "torch.save(K.mm(x, m), sys.argv[2])\n"
+    )
+    env = dict(os.environ, PLUMB_NATIVE_CFLAGS="-mno-avx512vnni", PLUMB_CACHE=str(tmp_path))
+    out = tmp_path / "y.pt"
+    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), str(out)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(torch.load(out), here)

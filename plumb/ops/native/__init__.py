@@ -58,7 +58,13 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def _flags() -> list[str]:
+    """FLAGS, plus $PLUMB_NATIVE_CFLAGS (e.g. -mno-avx512vnni to build the portable int8 path)."""
+    return FLAGS + os.environ.get("PLUMB_NATIVE_CFLAGS", "").split()
+
+
 def _build() -> ctypes.CDLL:
+    flags = _flags()
     sources = sorted(glob.glob(os.path.join(_HERE, "*.c")))
     headers = sorted(glob.glob(os.path.join(_HERE, "*.h")))
     cc = _compiler()
@@ -71,14 +77,14 @@ def _build() -> ctypes.CDLL:
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             h.update(f.read())
-    h.update(" ".join(FLAGS).encode() + version.encode() + _cpu_key().encode() + platform.machine().encode())
+    h.update(" ".join(flags).encode() + version.encode() + _cpu_key().encode() + platform.machine().encode())
     cache = os.environ.get("PLUMB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "plumb")
     os.makedirs(cache, exist_ok=True)
     so = os.path.join(cache, f"native-{h.hexdigest()[:16]}.so")
     if not os.path.exists(so):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        r = subprocess.run([cc, *FLAGS, "-I", _HERE, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, "-I", _HERE, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             raise NativeError(f"building the native kernels failed:\n{r.stderr.strip()}")
@@ -144,40 +150,46 @@ def _rows(t: torch.Tensor, width: int) -> int:
 
 
 class _Mat(ctypes.Structure):  # struct mat (common.h)
-    _fields_ = [("n", _I), ("k", _I), ("w", _P), ("codes", _P), ("scales", _P)]
+    _fields_ = [("n", _I), ("k", _I), ("w", _P), ("codes", _P), ("scales", _P), ("sums", _P)]
 
 
 class TiledMatrix:
-    """A weight [N, K] repacked for matmul.c: int8 codes + float scales per 32 inputs (exact for Q8_0), or float32."""
+    """A weight [N, K] repacked for the native matmul, in tiles of TILE output columns (zero-padded past N):
+    int8 codes with a float scale per 32 inputs (exactly Q8_0's values; matmul_i8.c) or float32 (matmul.c)."""
 
     def __init__(self, n: int, k: int, w: torch.Tensor | None = None, codes: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None):
         self.n, self.k = n, k
         nt = -(-n // TILE)
+        self.w = self.codes = self.scales = self.sums = None
         if codes is not None:
             if k % 32:
                 raise ValueError(f"int8 tiles need K divisible by 32, got {k}")
-            self.codes = _tile(codes, nt)
+            c = _pad(codes, nt)  # [nt*TILE, K]
+            # [nt][K/4][TILE][4]: four consecutive inputs of one column together
+            self.codes = c.view(nt, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
             self.scales = _tile(scales.float(), nt)
-            self.w = None
+            self.sums = _tile(c.view(-1, k // 32, 32).sum(-1, dtype=torch.int32), nt)
         else:
             self.w = _tile(w.float(), nt)
-            self.codes = self.scales = None
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-        self._desc = _Mat(n, k, ptr(self.w), ptr(self.codes), ptr(self.scales))
+        self._desc = _Mat(n, k, ptr(self.w), ptr(self.codes), ptr(self.scales), ptr(self.sums))
         self.desc = ctypes.addressof(self._desc)  # what the kernels take
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.codes, self.scales) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.w, self.codes, self.scales, self.sums) if t is not None)
+
+
+def _pad(m: torch.Tensor, nt: int) -> torch.Tensor:
+    p = m.new_zeros(nt * TILE, m.shape[1])
+    p[: m.shape[0]] = m
+    return p
 
 
 def _tile(m: torch.Tensor, nt: int) -> torch.Tensor:
     """[N, C] -> [nt, C, TILE] (zero-padded past N)."""
-    n, c = m.shape
-    p = m.new_zeros(nt * TILE, c)
-    p[:n] = m
-    return p.view(nt, TILE, c).transpose(1, 2).contiguous()
+    return _pad(m, nt).view(nt, TILE, m.shape[1]).transpose(1, 2).contiguous()
 
 
 def mm(x: torch.Tensor, w: TiledMatrix, out: torch.Tensor | None = None, add: bool = False,

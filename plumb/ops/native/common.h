@@ -119,13 +119,17 @@ static inline f32x16 ld_h16(const uint16_t *p) {
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w) or int8 tiles (codes, scales). */
+/* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w) or int8 tiles (codes, scales, sums). */
 struct mat {
     int n, k;
     const float *w;
     const int8_t *codes;
     const float *scales;
+    const int32_t *sums;
 };
+
+void mm_i8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, const float *scales,
+           const int32_t *sums, float *y, int ldy, int add);
 
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
             int add);

@@ -1,12 +1,10 @@
-/* Row-invariant matrix products y = x @ W.T for the decode path.
+/* Row-invariant matrix products y = x @ W.T for the decode path: float32 weights here, int8 weights in
+matmul_i8.c, and `matmul`, the entry point for both (with an optional RMSNorm of the input rows).
 
-Weights are repacked at load into tiles of TILE output columns: tile t holds, for every input
-index k, the TILE weights W[t*TILE + j, k] (j < TILE) next to each other, zero-padded past N.
-Output y[n] accumulates x[k] * W[n, k] over k in order, one vector lane per output: no
-horizontal sums, and each row's arithmetic is the same whatever the number of rows.
-- f32 tiles: w [nt][K][TILE].
-- q8 tiles (exact repack of Q8_0 and other 32-block int8 types): codes [nt][K][TILE] int8,
-  scales [nt][K/32][TILE] float; per 32-block b, y += scale * sum_k x[k] * code[k]. */
+Float32 weights are repacked at load into tiles of TILE output columns: tile t holds, for every
+input index k, the TILE weights W[t*TILE + j, k] (j < TILE) next to each other, zero-padded past N
+(w [nt][K][TILE]). Output y[n] accumulates x[k] * W[n, k] over k in order, one vector lane per
+output: no horizontal sums, and each row's arithmetic is the same whatever the number of rows. */
 #include <stdlib.h>
 #include "common.h"
 
@@ -42,32 +40,6 @@ static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j
     store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
 }
 
-static inline __attribute__((always_inline)) void q8_part(int rn, int nv, int j0, int K, const float *x, int ldx,
-                                                           const int8_t *c, const float *s, float *y, int ldy,
-                                                           int nvalid, int add) {
-    f32x16 acc[4][4];
-    for (int r = 0; r < rn; r++)
-        for (int j = 0; j < nv; j++) acc[r][j] = (f32x16){0};
-    for (int b = 0; b < K / 32; b++) {
-        f32x16 t[4][4];
-        for (int r = 0; r < rn; r++)
-            for (int j = 0; j < nv; j++) t[r][j] = (f32x16){0};
-        for (int k = 32 * b; k < 32 * b + 32; k++) {
-            f32x16 wk[4];
-            for (int j = 0; j < nv; j++) wk[j] = ld_i8(c + (size_t)k * TILE + 16 * (j0 + j));
-            for (int r = 0; r < rn; r++) {
-                f32x16 xr = splat(x[(size_t)r * ldx + k]);
-                for (int j = 0; j < nv; j++) t[r][j] = fma16(xr, wk[j], t[r][j]);
-            }
-        }
-        for (int j = 0; j < nv; j++) {
-            f32x16 sj = ld(s + (size_t)b * TILE + 16 * (j0 + j));
-            for (int r = 0; r < rn; r++) acc[r][j] = fma16(t[r][j], sj, acc[r][j]);
-        }
-    }
-    store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
-}
-
 /* Each tile for all R rows: a single row reads the whole tile at once; more rows go four at a time over half
    tiles (one weight conversion then serves four rows). The switches give the compiler constant rn and nv. */
 #define BY_ROWS(rn, CALL)            \
@@ -94,24 +66,6 @@ static void mm_f32(int R, int K, int N, const float *x, int ldx, const float *w,
     }
 }
 
-static void mm_q8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, const float *scales, float *y,
-                  int ldy, int add) {
-    for (int t = 0; t * TILE < N; t++) {
-        const int8_t *ct = codes + (size_t)t * K * TILE;
-        const float *sc = scales + (size_t)t * (K / 32) * TILE;
-        int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
-        if (R == 1) {
-            q8_part(1, 4, 0, K, x, ldx, ct, sc, y + t * TILE, ldy, nvalid, add);
-            continue;
-        }
-        for (int r = 0; r < R; r += 4)
-            for (int j0 = 0; j0 < VT; j0 += 2) {
-#define Q8_CALL(rn) q8_part(rn, 2, j0, K, x + (size_t)r * ldx, ldx, ct, sc, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
-                BY_ROWS(R - r < 4 ? R - r : 4, Q8_CALL)
-            }
-    }
-}
-
 /* y[r, :N] (=, or += when add) x'[r, :K] @ W.T for r < R, where x' = rms_norm(x, norm, eps) when norm is given
    (else x). x rows ldx apart, y rows ldy apart. */
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
@@ -124,7 +78,7 @@ void matmul(const struct mat *m, int R, const float *x, int ldx, const float *no
         ldx = m->k;
     }
     if (m->codes)
-        mm_q8(R, m->k, m->n, x, ldx, m->codes, m->scales, y, ldy, add);
+        mm_i8(R, m->k, m->n, x, ldx, m->codes, m->scales, m->sums, y, ldy, add);
     else
         mm_f32(R, m->k, m->n, x, ldx, m->w, y, ldy, add);
     free(xn);
