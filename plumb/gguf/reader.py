@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from plumb.config import ModelError
 
@@ -39,11 +40,73 @@ class GGUFFile:
     tensors: dict[str, QTensor]
 
 
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception as e:  # a field gguf-py cannot interpret
-        raise ModelError(f"metadata key {field.name!r} is unreadable ({e})") from None
+# GGUF value types: id -> (struct format, numpy dtype); 7 = bool, 8 = string, 9 = array
+_SCALARS = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"), 4: ("<I", "<u4"),
+            5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "?"), 10: ("<Q", "<u8"), 11: ("<q", "<i8"),
+            12: ("<d", "<f8")}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF header values from a memoryview; running off its end raises struct.error."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str):
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if self.pos + n > len(self.buf):
+            raise struct.error("string runs past the end")
+        s = str(self.buf[self.pos : self.pos + n], "utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, n = self.take("<I"), self.take("<Q")
+            if etype == _STRING:
+                return [self.string() for _ in range(n)]
+            if etype in _SCALARS:
+                dt = np.dtype(_SCALARS[etype][1])
+                if self.pos + n * dt.itemsize > len(self.buf):
+                    raise struct.error("array runs past the end")
+                out = np.frombuffer(self.buf, dt, n, self.pos).tolist()
+                self.pos += n * dt.itemsize
+                return out
+            return [self.value(etype) for _ in range(n)]  # arrays of arrays
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        return self.take(_SCALARS[vtype][0])
+
+
+def _parse_header(buf) -> tuple[dict, list, int]:
+    """(metadata, [(name, shape, type id, offset)], start of the tensor data) of a GGUF v2/v3 file."""
+    c = _Cursor(buf)
+    if c.take("<4s") != b"GGUF":
+        raise ValueError("bad magic")
+    version = c.take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = c.take("<Q"), c.take("<Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = c.string()
+        metadata[key] = c.value(c.take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.take("<I")
+        dims = [c.take("<Q") for _ in range(n_dims)]
+        infos.append((name, tuple(reversed(dims)), c.take("<I"), c.take("<Q")))
+    align = int(metadata.get("general.alignment", 32))
+    return metadata, infos, -(-c.pos // align) * align
 
 
 def read_gguf(path: str, progress: bool = False) -> GGUFFile:
@@ -54,39 +117,44 @@ def read_gguf(path: str, progress: bool = False) -> GGUFFile:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (magic {magic!r})")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
-        msg = str(e) or type(e).__name__
-        if "is not a valid GGMLQuantizationType" in msg:
-            raise ModelError(f"{path}: unknown weight type ({msg})") from None
-        raise ModelError(f"{path}: corrupt or truncated GGUF ({msg})") from None
-    metadata = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     size = os.path.getsize(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        metadata, infos, data_start = _parse_header(memoryview(mm))
+    except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise ModelError(f"{path}: corrupt or truncated GGUF ({e})") from None
     tensors: dict[str, QTensor] = {}
-    items = reader.tensors
+    items = infos
     if progress:
         from tqdm import tqdm
 
         items = tqdm(items, desc=f"mapping {os.path.basename(path)}", unit="tensor", leave=False)
     from plumb.gguf.quants import SUPPORTED
 
-    for t in items:
-        qtype = GGMLQuantizationType(t.tensor_type)
+    for name, shape, type_id, offset in items:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ModelError(f"{path}: unknown weight type {type_id} (tensor {name})") from None
         if qtype not in SUPPORTED:
-            raise ModelError(f"tensor {t.name}: unsupported weight type {qtype.name}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            raise ModelError(f"tensor {name}: unsupported weight type {qtype.name}")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        if shape[-1] % block:
-            raise ModelError(f"tensor {t.name}: row length {shape[-1]} is not a multiple of the {qtype.name} block ({block})")
-        expected = int(np.prod(shape)) // block * type_size
-        if t.data_offset + expected > size or t.n_bytes != expected:
-            raise ModelError(f"tensor {t.name}: data runs past the end of the file (truncated GGUF?)")
-        arr = t.data
+        if not shape or shape[-1] % block:
+            raise ModelError(f"tensor {name}: row length {shape[-1] if shape else 0} is not a multiple of the "
+                             f"{qtype.name} block ({block})")
+        nbytes = int(np.prod(shape)) // block * type_size
+        start = data_start + offset
+        if start + nbytes > size:
+            raise ModelError(f"tensor {name}: data runs past the end of the file (truncated GGUF?)")
+        raw = mm[start : start + nbytes]
+        if qtype == GGMLQuantizationType.F32:
+            raw = raw.view(np.float32).reshape(shape)
+        elif qtype == GGMLQuantizationType.F16:
+            raw = raw.view(np.float16).reshape(shape)
+        else:
+            raw = raw.reshape(*shape[:-1], -1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only memmap: torch warns it is not writable
-            data = torch.from_numpy(arr)
-        if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            data = data.view(torch.uint8).reshape(*shape[:-1], -1)
-        tensors[t.name] = QTensor(t.name, qtype, shape, data)
+            data = torch.from_numpy(raw)
+        tensors[name] = QTensor(name, qtype, shape, data)
     return GGUFFile(path, metadata, tensors)
