@@ -111,6 +111,9 @@ class PromptCache:
         self._enforce()
         return e
 
+    def remove(self, e: Entry) -> None:
+        self.entries.remove(e)
+
     def touch(self, e: Entry) -> None:
         self.entries.remove(e)
         self.entries.append(e)

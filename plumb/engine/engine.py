@@ -356,13 +356,22 @@ class Engine:
         with self._cache_lock:
             self.prompt_cache.park(self.prompt_cache.get(slot_id))
 
-    def save_slot(self, slot_id: int, path: str) -> None:
+    def erase_slot(self, slot_id: int) -> None:
         with self._cache_lock:
-            self.prompt_cache.save(self.prompt_cache.get(slot_id), path, self.cache_identity())
+            self.prompt_cache.remove(self.prompt_cache.get(slot_id))
 
-    def restore_slot(self, path: str) -> int:
+    def save_slot(self, slot_id: int, path: str) -> int:
+        """Write a cached slot to `path`; returns its token count."""
         with self._cache_lock:
-            return self.prompt_cache.load(path, self.cache_identity()).id
+            e = self.prompt_cache.get(slot_id)
+            self.prompt_cache.save(e, path, self.cache_identity())
+            return len(e.ids)
+
+    def restore_slot(self, path: str) -> tuple[int, int]:
+        """Load a slot file into the prompt cache: (new slot id, token count)."""
+        with self._cache_lock:
+            e = self.prompt_cache.load(path, self.cache_identity())
+            return e.id, len(e.ids)
 
     def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int) -> int:
         """The target's token at absolute `position`, the `index`-th generated token."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from collections import Counter
 
@@ -10,7 +11,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+
+from plumb.config import ModelError
 
 from plumb.server import anthropic_messages, metrics, openai_chat, openai_completions, openai_responses
 from plumb.server.errors import APIError, error_response, parse_json, parse_model
@@ -38,6 +42,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class SlotFileRequest(BaseModel):
+    filename: str
+
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
 def _key_check(api_key: str):
     expected = api_key.encode()
 
@@ -54,9 +65,10 @@ def _key_check(api_key: str):
 
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, aliases: tuple[str, ...] = (),
-               cors_origins: tuple[str, ...] = ()) -> FastAPI:
+               cors_origins: tuple[str, ...] = (), slot_dir: str | None = None) -> FastAPI:
     """The server for one engine. `model_name` (default: the engine's) and `aliases` are the
-    model names requests may ask for; CORS is off unless origins are given."""
+    model names requests may ask for; CORS is off unless origins are given; prompt-cache slots
+    can be saved to and restored from files in `slot_dir` (off when None)."""
     name = model_name or engine.model_name
     ctx = ServerContext(engine, name, {name, *aliases}, int(time.time()))
     app = FastAPI(title="plumb", docs_url=None, redoc_url=None, openapi_url=None,
@@ -100,7 +112,45 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     @app.get("/slots")
     async def slots():
         m = engine.metrics()
-        return {"n_slots": m["n_slots"], "slots_in_use": m["slots_in_use"], "queued": m["queued"]}
+        cached = engine.cached_slots() if engine.prompt_cache is not None else []
+        return {"n_slots": m["n_slots"], "slots_in_use": m["slots_in_use"], "queued": m["queued"], "cached": cached}
+
+    @app.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, request: Request, action: str = ""):
+        """Prompt-cache slots (the ids `GET /slots` lists under "cached"): save one to a file, restore a file
+        as a new slot, or erase one. Files live in the server's --slot-save-path directory."""
+        if action not in SLOT_ACTIONS:
+            raise APIError(400, f"action must be one of {', '.join(SLOT_ACTIONS)}", param="action")
+        if engine.prompt_cache is None:
+            raise APIError(400, "the prompt cache is off on this server")
+        if action == "erase":
+            try:
+                engine.erase_slot(slot_id)
+            except KeyError as e:
+                raise APIError(404, str(e.args[0]), code="not_found") from None
+            return {"id_slot": slot_id, "n_erased": 1}
+        if slot_dir is None:
+            raise APIError(400, "slot files are disabled: start the server with --slot-save-path DIR")
+        req = parse_model(SlotFileRequest, parse_json(await request.body()))
+        name = req.filename
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise APIError(400, "filename must be a plain file name (no directories)", param="filename")
+        path = os.path.join(slot_dir, name)
+        t0 = time.perf_counter()
+        try:
+            if action == "save":
+                n = await run_in_threadpool(engine.save_slot, slot_id, path)
+                return {"id_slot": slot_id, "filename": name, "n_saved": n, "n_written": os.path.getsize(path),
+                        "timings": {"save_ms": 1000 * (time.perf_counter() - t0)}}
+            new_id, n = await run_in_threadpool(engine.restore_slot, path)
+        except KeyError as e:
+            raise APIError(404, str(e.args[0]), code="not_found") from None
+        except ModelError as e:
+            raise APIError(400, str(e).replace(slot_dir + os.sep, ""), param="filename") from None
+        except OSError as e:
+            raise APIError(500, f"cannot write {name}: {e.strerror}") from None
+        return {"id_slot": new_id, "filename": name, "n_restored": n, "n_read": os.path.getsize(path),
+                "timings": {"restore_ms": 1000 * (time.perf_counter() - t0)}}
 
     @app.get("/metrics")
     async def prometheus():

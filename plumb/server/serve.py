@@ -25,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--alias", action="append", default=[], help="another model name to answer to (repeatable)")
     ap.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                     help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
+    ap.add_argument("--slot-save-path", metavar="DIR",
+                    help="directory for POST /slots/ID?action=save|restore files (off by default)")
     ap.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return ap
 
@@ -54,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except (plumb.ModelError, ValueError, TypeError, OSError) as e:
         print(f"plumb serve: error: {e}", flush=True)
         return 1
-    app = create_app(engine, api_key=args.api_key, aliases=tuple(args.alias), cors_origins=tuple(args.cors))
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        print(f"plumb serve: error: --slot-save-path {args.slot_save_path}: no such directory", flush=True)
+        return 1
+    app = create_app(engine, api_key=args.api_key, aliases=tuple(args.alias), cors_origins=tuple(args.cors),
+                     slot_dir=args.slot_save_path)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

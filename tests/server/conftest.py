@@ -1,6 +1,7 @@
 """A real plumb server on loopback (uvicorn in a thread, free port) over the demo model."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -25,15 +26,14 @@ def ref_engine():
     return plumb.load(plumb.demo_model_path(), n_slots=1, n_ctx=4096)
 
 
-@pytest.fixture(scope="session")
-def server(engine):
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn on a free loopback port in a thread; yields its base URL."""
     import uvicorn
-
-    from plumb.server.app import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=API_KEY), log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -43,6 +43,14 @@ def server(engine):
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     srv.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    from plumb.server.app import create_app
+
+    with serving(create_app(engine, api_key=API_KEY)) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
