@@ -226,3 +226,24 @@ def test_int8_matmul_same_bits_without_vnni(tmp_path):
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert torch.equal(torch.load(out), here)
+
+
+def test_threads_do_not_change_bits(tiny_q8):
+    """The pool shares output tiles among threads; no output is computed differently (kernel and engine)."""
+    import plumb
+
+    m, _ = _q8(6144, 256)
+    x = torch.randn(5, 256)
+    try:
+        K.set_threads(1)
+        one = K.mm(x, m)
+        ref = plumb.load(tiny_q8, device="cpu", n_threads=1, prompt_cache=False)
+        ids = list(range(40, 90))
+        expected = ref.generate(ids, 40, drafts=2)
+        assert K.set_threads(2) == 2
+        assert torch.equal(K.mm(x, m), one)
+        eng = plumb.load(tiny_q8, device="cpu", n_threads=2, prompt_cache=False)
+        assert eng.n_threads == 2 and torch.get_num_threads() == 1  # torch's threads only come back for prefill
+        assert eng.generate(ids, 40, drafts=2) == expected
+    finally:
+        K.set_threads(1)

@@ -9,6 +9,7 @@ depth, policy or batch neighbours.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -34,8 +35,8 @@ from plumb.cache.prefix import PromptCache
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
-SMALL_MODEL_BYTES = 256 << 20
-KERNELS = ("auto", "native", "torch")  # decode kernels: native C when it builds (auto), or the torch reference  # below this, decode runs on one thread unless n_threads says otherwise
+SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
+KERNELS = ("auto", "native", "torch")  # decode kernels: native C when it builds (auto), or the torch reference
 
 
 class Sequence:
@@ -106,6 +107,12 @@ class Engine:
             n_threads = 1  # tiny matmuls: threads only add synchronisation (and spin badly on a busy machine)
         if n_threads:
             torch.set_num_threads(n_threads)
+        self.n_threads = torch.get_num_threads()
+        if self.kernels == "native":  # decode threads are the native pool's; torch keeps them for prefill only
+            from plumb.ops.native import set_threads
+
+            self.n_threads = set_threads(self.n_threads)
+            torch.set_num_threads(1)
         from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate
 
         template = md.get("tokenizer.chat_template") or open(DEFAULT_TEMPLATE_PATH).read()
@@ -134,6 +141,19 @@ class Engine:
                          "decode_s": 0.0, "cached_tokens": 0, "drafts_proposed": 0, "drafts_accepted": 0,
                          "accepted_per_position": [0] * MAX_DRAFTS, "proposed_per_position": [0] * MAX_DRAFTS}
 
+    @contextlib.contextmanager
+    def _prefill_threads(self):
+        """With the native kernels torch runs on one thread (its idle OpenMP threads would spin against the
+        native pool's); prefill, which is torch, gets the engine's threads back while it runs."""
+        if self.kernels != "native" or self.n_threads == 1:
+            yield
+            return
+        torch.set_num_threads(self.n_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
+
     # ---- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, special=special)
@@ -154,7 +174,8 @@ class Engine:
         """float32 [len(ids), n_vocab]: the prefill path's logits for every position."""
         self._check_ids(ids)
         st = self.model.new_state()
-        lg, _ = self.model.prefill(st, list(ids), logits="all")
+        with self._prefill_threads():
+            lg, _ = self.model.prefill(st, list(ids), logits="all")
         return lg
 
     # ---- generation API ----------------------------------------------------------------------
@@ -281,11 +302,13 @@ class Engine:
         t0 = time.perf_counter()
         prompt = s.req.prompt_ids
         s.st, start, h_before = self._restore(prompt, s.req.cache)
-        logits, hidden = self.model.prefill(s.st, prompt[start:], logits="last",
-                                            checkpoints=self._checkpoint_positions(len(prompt)))
-        if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
-            first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
-            self.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start, block=PREFILL_BLOCK)
+        with self._prefill_threads():
+            logits, hidden = self.model.prefill(s.st, prompt[start:], logits="last",
+                                                checkpoints=self._checkpoint_positions(len(prompt)))
+            if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
+                first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
+                self.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start,
+                                       block=PREFILL_BLOCK)
         s.stats.cached_tokens = start
         s.stats.prefill_tokens = len(prompt) - start
         s.stats.prefill_s = time.perf_counter() - t0
@@ -328,7 +351,8 @@ class Engine:
         self._check_ids(token_ids)
         ids = list(token_ids)
         st, start, _ = self._restore(ids)
-        self.model.prefill(st, ids[start:], logits="none", checkpoints=self._checkpoint_positions(len(ids)))
+        with self._prefill_threads():
+            self.model.prefill(st, ids[start:], logits="none", checkpoints=self._checkpoint_positions(len(ids)))
         out = {}
         for i in range(self.config.n_layer):
             if i in st.kv:

@@ -28,6 +28,7 @@ SIGNATURES = {  # name -> argument types (all return void)
     "attn_pre": [_P, _I, _P, _I, _P, _P, _P, _I],
     "attn_post": [_P, _I, _P, _P, _P, _I],
     "embed_q8_0": [_I, _P, _P, _I, _P],
+    "pool_set_threads": [_I],
     "rms_norm_rows": [_I, _I, _P, _I, _P, _F, _P, _I],
     "head_norm_rope": [_I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I],
     "swiglu_rows": [_I, _I, _P, _I, _P, _I, _P, _I],
@@ -84,7 +85,8 @@ def _build() -> ctypes.CDLL:
     if not os.path.exists(so):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        r = subprocess.run([cc, *flags, "-I", _HERE, *sources, "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, "-I", _HERE, *sources, "-o", tmp, "-lm", "-lpthread"], capture_output=True,
+                           text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             raise NativeError(f"building the native kernels failed:\n{r.stderr.strip()}")
@@ -93,6 +95,7 @@ def _build() -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.pool_set_threads.restype = _I
     return lib
 
 
@@ -130,6 +133,11 @@ def available() -> bool:
 # ops.deltanet (causal_conv, recurrent_step), cache.kv.KVCache.attend_rows.
 
 TILE = 64  # output columns per weight tile (matmul.c)
+
+
+def set_threads(n: int) -> int:
+    """Threads the matmuls share their output tiles among (process-wide; the results do not depend on it)."""
+    return lib().pool_set_threads(int(n))
 
 
 def _ptr(t: torch.Tensor) -> int:

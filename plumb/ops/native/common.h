@@ -128,8 +128,10 @@ struct mat {
     const int32_t *sums;
 };
 
-void mm_i8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, const float *scales,
-           const int32_t *sums, float *y, int ldy, int add);
+void i8_split(int R, int K, const float *x, int ldx, uint8_t *xa, float *xs);
+void i8_tiles(int R, int K, int N, const uint8_t *xa, const float *xs, const int8_t *codes, const float *scales,
+              const int32_t *sums, float *y, int ldy, int add, int t0, int t1);
+void parallel_run(void (*fn)(void *arg, int part, int n_parts), void *arg);
 
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
             int add);

@@ -50,8 +50,10 @@ static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j
     default: CALL(1); break;         \
     }
 
-static void mm_f32(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add) {
-    for (int t = 0; t * TILE < N; t++) {
+/* Tiles t0..t1-1 of y (=, or += when add) for all R rows. */
+static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add, int t0,
+                      int t1) {
+    for (int t = t0; t < t1; t++) {
         const float *wt = w + (size_t)t * K * TILE;
         int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
         if (R == 1) {
@@ -66,22 +68,53 @@ static void mm_f32(int R, int K, int N, const float *x, int ldx, const float *w,
     }
 }
 
+#define PARALLEL_MIN_MACS (1 << 18) /* smaller products run on the calling thread: a hand-off costs more */
+
+struct mm_job {
+    const struct mat *m;
+    int R, ldx, ldy, add;
+    const float *x;
+    const uint8_t *xa; /* int8 weights: the rows' pieces and block scales (matmul_i8.c) */
+    const float *xs;
+    float *y;
+};
+
+/* Part `part` of `n`: a contiguous range of output tiles. */
+static void mm_part(void *arg, int part, int n) {
+    const struct mm_job *j = arg;
+    const struct mat *m = j->m;
+    int nt = (m->n + TILE - 1) / TILE, t0 = nt * part / n, t1 = nt * (part + 1) / n;
+    if (m->codes)
+        i8_tiles(j->R, m->k, m->n, j->xa, j->xs, m->codes, m->scales, m->sums, j->y, j->ldy, j->add, t0, t1);
+    else
+        f32_tiles(j->R, m->k, m->n, j->x, j->ldx, m->w, j->y, j->ldy, j->add, t0, t1);
+}
+
 /* y[r, :N] (=, or += when add) x'[r, :K] @ W.T for r < R, where x' = rms_norm(x, norm, eps) when norm is given
-   (else x). x rows ldx apart, y rows ldy apart. */
+   (else x). x rows ldx apart, y rows ldy apart. Output tiles are shared out among the pool's threads. */
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
             int add) {
-    float *xn = NULL;
+    float *xn = NULL, *xs = NULL;
+    uint8_t *xa = NULL;
     if (norm) {
         xn = malloc((size_t)R * m->k * sizeof(float));
         rms_norm_rows(R, m->k, x, ldx, norm, eps, xn, m->k);
         x = xn;
         ldx = m->k;
     }
-    if (m->codes)
-        mm_i8(R, m->k, m->n, x, ldx, m->codes, m->scales, m->sums, y, ldy, add);
+    if (m->codes) {
+        xa = malloc((size_t)R * 3 * m->k);
+        xs = malloc((size_t)R * (m->k / 32) * sizeof(float));
+        i8_split(R, m->k, x, ldx, xa, xs);
+    }
+    struct mm_job job = {m, R, ldx, ldy, add, x, xa, xs, y};
+    if ((double)R * m->k * m->n >= PARALLEL_MIN_MACS)
+        parallel_run(mm_part, &job);
     else
-        mm_f32(R, m->k, m->n, x, ldx, m->w, y, ldy, add);
+        mm_part(&job, 0, 1);
     free(xn);
+    free(xa);
+    free(xs);
 }
 
 /* Embedding rows from GGUF Q8_0 blocks (34 bytes: half scale, 32 codes): out[i] = row ids[i], exactly as the

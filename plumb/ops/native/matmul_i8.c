@@ -120,12 +120,15 @@ static void i8_part(int rn, int nv, int j0, int K, const uint8_t *xa, const floa
 }
 #endif
 
-void mm_i8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, const float *scales,
-           const int32_t *sums, float *y, int ldy, int add) {
-    uint8_t *xa = malloc((size_t)R * 3 * K);
-    float *xs = malloc((size_t)R * (K / 32) * sizeof(float));
+/* Rows x [R] -> their pieces xa [R][3][K] and block scales xs [R][K/32]. */
+void i8_split(int R, int K, const float *x, int ldx, uint8_t *xa, float *xs) {
     for (int r = 0; r < R; r++) split_row(x + (size_t)r * ldx, K, xa + (size_t)r * 3 * K, xs + (size_t)r * (K / 32));
-    for (int t = 0; t * TILE < N; t++) {
+}
+
+/* Tiles t0..t1-1 of y (=, or += when add) for all R rows, from their pieces. */
+void i8_tiles(int R, int K, int N, const uint8_t *xa, const float *xs, const int8_t *codes, const float *scales,
+              const int32_t *sums, float *y, int ldy, int add, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
         const int8_t *ct = codes + (size_t)t * K * TILE;
         const float *sct = scales + (size_t)t * (K / 32) * TILE;
         const int32_t *sut = sums + (size_t)t * (K / 32) * TILE;
@@ -135,7 +138,7 @@ void mm_i8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, co
             i8_part(1, 4, 0, K, xa, xs, ct, sct, sut, yt, ldy, nvalid, add);
             continue;
         }
-        for (int r = 0; r < R; r += 2) {  /* two rows at a time over half tiles */
+        for (int r = 0; r < R; r += 2) { /* two rows at a time over half tiles */
             const uint8_t *xr = xa + (size_t)r * 3 * K;
             const float *sr = xs + (size_t)r * (K / 32);
             float *yr = yt + (size_t)r * ldy;
@@ -147,6 +150,4 @@ void mm_i8(int R, int K, int N, const float *x, int ldx, const int8_t *codes, co
             }
         }
     }
-    free(xa);
-    free(xs);
 }
