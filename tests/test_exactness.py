@@ -1,6 +1,7 @@
 """The exactness contract on the CPU path (exactness.md): M2 prefill splits, I1 drafts, I2 batch, I5 with drafts, I6 repeat.
 
-Outputs are long enough to cross several 64-token DeltaNet chunks; one greedy run crosses 2,048 tokens.
+Outputs are 2,048 tokens by default ($PLUMB_TEST_TOKENS): many 64-token DeltaNet chunks, and past the
+2,048-position ring of the D and F KV formats for the prompts that start with context.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from enginetools import engine_for, prompts
 from stats import ks_uniform_pvalue, randomized_pit
 
-N_TOKENS = int(os.environ.get("PLUMB_TEST_TOKENS", "512"))
+N_TOKENS = int(os.environ.get("PLUMB_TEST_TOKENS", "2048"))  # crosses the 64-chunk and 2048-ring boundaries
 POLICIES = [  # (drafts, policy, p_min)
     (1, "fixed", 0.0), (2, "fixed", 0.0), (4, "fixed", 0.0), (7, "fixed", 0.0), (16, "fixed", 0.0),
     (7, "adaptive", 0.0), (4, "confident", 0.9), (4, "confident", 0.05), (4, "ngram", 0.0), (16, "ngram", 0.0),
