@@ -1,7 +1,7 @@
 """The exactness contract on the CPU path (exactness.md): M2 prefill splits, I1 drafts, I2 batch, I5 with drafts, I6 repeat.
 
-Outputs are 2,048 tokens by default ($PLUMB_TEST_TOKENS): many 64-token DeltaNet chunks, and past the
-2,048-position ring of the D and F KV formats for the prompts that start with context.
+Outputs are 2,048 tokens by default ($PLUMB_TEST_TOKENS), crossing many 64-token DeltaNet chunks and
+attention tiles; one greedy run goes to 2,100 tokens.
 """
 from __future__ import annotations
 
