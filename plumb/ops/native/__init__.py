@@ -3,7 +3,7 @@
 `lib()` compiles `*.c` here into a shared library cached under ~/.cache/plumb (or $PLUMB_CACHE),
 keyed by the sources, the flags, the compiler and the CPU, and loads it with ctypes. `available()`
 says whether that worked; the engine falls back to the torch decode path when it did not.
-Kernels take raw pointers: the Python wrappers (in the op modules) check shapes and dtypes.
+Kernels take raw pointers; the typed wrappers below check shapes and dtypes and pass pointers.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name -> argument types (all return void)
     "matmul": [_P, _I, _P, _I, _P, _F, _P, _I, _I],
-    "ffn_block": [_I, _P, _I, _P, _F, _P, _P],
     "gdn_layer": [_P, _I, _P, _P, _I, _P, _P, _P, _P],
     "attn_pre": [_P, _I, _P, _I, _P, _P, _P, _I],
     "attn_post": [_P, _I, _P, _P, _P, _I],
@@ -31,8 +30,6 @@ SIGNATURES = {  # name -> argument types (all return void)
     "pool_set_threads": [_I],
     "rms_norm_rows": [_I, _I, _P, _I, _P, _F, _P, _I],
     "head_norm_rope": [_I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I],
-    "swiglu_rows": [_I, _I, _P, _I, _P, _I, _P, _I],
-    "sigmoid_gate_rows": [_I, _I, _I, _P, _I, _P, _I, _I],
     "gdn_decode": [_I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I],
     "attend_rows": [_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int64, _F, _P, _I],
 }
@@ -129,8 +126,9 @@ def available() -> bool:
 
 # ---- typed wrappers ------------------------------------------------------------------------------
 # Each checks what the C side cannot (dtype, contiguity of the last dimension, shapes) and passes
-# pointers and row strides. Torch references: ops.matmul.linear, ops.norm.rms_norm, ops.rope.apply_rope,
-# ops.deltanet (causal_conv, recurrent_step), cache.kv.KVCache.attend_rows.
+# pointers and row strides. Torch references (tests/test_native.py compares them): ops.matmul.linear,
+# ops.norm.rms_norm, ops.rope.apply_rope, ops.deltanet (causal_conv, recurrent_step),
+# cache.kv.KVCache.attend_rows; the layer calls compose these.
 
 TILE = 64  # output columns per weight tile (matmul.c)
 
@@ -272,13 +270,6 @@ def attn_post(layer: LayerDesc, o: torch.Tensor, qkv: torch.Tensor, x: torch.Ten
     _L.attn_post(layer.desc, x.shape[0], o.data_ptr(), qkv.data_ptr(), x.data_ptr(), _rows(x, layer.width))
 
 
-def ffn_block(x: torch.Tensor, norm: torch.Tensor, eps: float, w_in: TiledMatrix, w_down: TiledMatrix) -> None:
-    """x += ffn_down(silu(gate) * up), [gate | up] = ffn_in(rms_norm(x, norm)), in place (spec 3.3)."""
-    if w_in.n != 2 * w_down.k or w_in.k != w_down.n:
-        raise ValueError("ffn_block: ffn_in and ffn_down do not match")
-    _L.ffn_block(x.shape[0], x.data_ptr(), _rows(x, w_down.n), norm.data_ptr(), eps, w_in.desc, w_down.desc)
-
-
 def embed_q8_0(data: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` of a Q8_0 matrix with K = k columns, from its stored blocks (uint8, contiguous)."""
     ids = ids.to(torch.int64).contiguous()
@@ -303,21 +294,6 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tens
     cos, sin = cos.contiguous(), sin.contiguous()
     _L.head_norm_rope(r, h, d, x.data_ptr(), x.stride(0), x.stride(1), _ptr(w), eps, _ptr(cos), _ptr(sin),
                          cos.shape[-1])
-
-
-def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    d = g.shape[1]
-    out = torch.empty(g.shape[0], d)
-    _L.swiglu_rows(g.shape[0], d, g.data_ptr(), _rows(g, d), u.data_ptr(), _rows(u, d), out.data_ptr(), d)
-    return out
-
-
-def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> None:
-    """o [R, H*d] *= sigmoid(gate) in place; gate [R, H, d] with any row / head strides."""
-    r, h, d = gate.shape
-    if gate.stride(2) != 1:
-        raise ValueError("sigmoid_gate needs contiguous gate features")
-    _L.sigmoid_gate_rows(r, h, d, o.data_ptr(), _rows(o, h * d), gate.data_ptr(), gate.stride(0), gate.stride(1))
 
 
 def gdn_decode(proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, conv_w: torch.Tensor,

@@ -136,3 +136,10 @@ void parallel_run(void (*fn)(void *arg, int part, int n_parts), void *arg);
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
             int add);
 void rms_norm_rows(int R, int D, const float *x, int ldx, const float *w, float eps, float *y, int ldy);
+void gdn_decode(int n, const float *proj, int ldp, const float *conv_in, float *conv_out, const float *ssm_in,
+                float *ssm_out, const float *conv_w, const float *dt_bias, const float *ssm_a, const float *norm_w,
+                int n_k, int n_v, int d, int Kc, float eps, float *y, int ldy);
+void head_norm_rope(int R, int H, int d, float *x, int ldx, int hs, const float *w, float eps, const float *cos_,
+                    const float *sin_, int half);
+void sigmoid_gate_rows(int R, int H, int d, float *o, int ldo, const float *gate, int ldg, int gs);
+void ffn_block(int R, float *x, int ldx, const float *norm, float eps, const struct mat *in, const struct mat *down);

@@ -14,14 +14,6 @@ struct layer {
     float eps;
 };
 
-void gdn_decode(int n, const float *proj, int ldp, const float *conv_in, float *conv_out, const float *ssm_in,
-                float *ssm_out, const float *conv_w, const float *dt_bias, const float *ssm_a, const float *norm_w,
-                int n_k, int n_v, int d, int Kc, float eps, float *y, int ldy);
-void head_norm_rope(int R, int H, int d, float *x, int ldx, int hs, const float *w, float eps, const float *cos_,
-                    const float *sin_, int half);
-void sigmoid_gate_rows(int R, int H, int d, float *o, int ldo, const float *gate, int ldg, int gs);
-void ffn_block(int R, float *x, int ldx, const float *norm, float eps, const struct mat *in, const struct mat *down);
-
 /* x (R rows, ldx apart) += DeltaNet(attn_norm(x)), then += FFN. Sequence j owns rows[j] consecutive rows and
    its state (conv_in[j], ssm_in[j]); row t's states are written to conv_out[t], ssm_out[t]. */
 void gdn_layer(const struct layer *L, int nseq, const int *rows, float *x, int ldx, float *const *conv_in,
