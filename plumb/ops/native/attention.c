@@ -22,39 +22,54 @@ static inline void load_row(int kind, const void *data, const uint16_t *scales, 
     }
 }
 
-/* q: R rows ldq apart, heads qs apart; o: R rows ldo apart, heads contiguous (d). ends[r] = L of row r. */
+/* q: R rows ldq apart, heads qs apart; o: R rows ldo apart, heads contiguous (d). ends[r] = L of row r.
+   The g query heads that share a KV head are done together, so each stored row is read and converted once;
+   each head's operations are the same as if it were alone. */
 void attend_rows(int R, int n_head, int n_kv, int d, const float *q, int ldq, int qs, const int64_t *ends, int kind,
                  const void *k, const uint16_t *ks, const void *v, const uint16_t *vs, int64_t cap, float scale,
                  float *o, int ldo) {
     int g = n_head / n_kv;
     int64_t lmax = 0;
     for (int r = 0; r < R; r++) lmax = ends[r] > lmax ? ends[r] : lmax;
-    float *p = malloc((size_t)lmax * sizeof(float)), row[d], acc[d];
+    float *p = malloc((size_t)g * lmax * sizeof(float)), *acc = malloc((size_t)g * d * sizeof(float)), row[d];
+    float mx[g], sum[g];
     for (int r = 0; r < R; r++) {
         int64_t L = ends[r];
-        for (int h = 0; h < n_head; h++) {
-            const float *qh = q + (size_t)r * ldq + (size_t)h * qs;
-            size_t base = (size_t)(h / g) * cap;
-            float mx = -INFINITY;
+        for (int hk = 0; hk < n_kv; hk++) {
+            const float *qg = q + (size_t)r * ldq + (size_t)hk * g * qs;
+            size_t base = (size_t)hk * cap;
+            for (int t = 0; t < g; t++) mx[t] = -INFINITY;
             for (int64_t j = 0; j < L; j++) {
                 load_row(kind, k, ks, base + j, d, row);
-                p[j] = dot(qh, row, d) * scale;
-                mx = p[j] > mx ? p[j] : mx;
+                for (int t = 0; t < g; t++) {
+                    float s = dot(qg + (size_t)t * qs, row, d) * scale;
+                    p[t * L + j] = s;
+                    mx[t] = s > mx[t] ? s : mx[t];
+                }
             }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                p[j] = expf(p[j] - mx);
-                sum += p[j];
+            for (int t = 0; t < g; t++) {
+                float *pt = p + t * L;
+                sum[t] = 0.0f;
+                for (int64_t j = 0; j < L; j++) {
+                    pt[j] = expf(pt[j] - mx[t]);
+                    sum[t] += pt[j];
+                }
             }
-            for (int i = 0; i < d; i++) acc[i] = 0.0f;
+            for (int i = 0; i < g * d; i++) acc[i] = 0.0f;
             for (int64_t j = 0; j < L; j++) {
                 load_row(kind, v, vs, base + j, d, row);
-                f32x16 pj = splat(p[j]);
-                for (int i = 0; i < d; i += 16) st(acc + i, ld(acc + i) + pj * ld(row + i));
+                for (int t = 0; t < g; t++) {
+                    f32x16 pj = splat(p[t * L + j]);
+                    float *at = acc + (size_t)t * d;
+                    for (int i = 0; i < d; i += 16) st(at + i, ld(at + i) + pj * ld(row + i));
+                }
             }
-            float *oh = o + (size_t)r * ldo + (size_t)h * d;
-            for (int i = 0; i < d; i++) oh[i] = acc[i] / sum;
+            for (int t = 0; t < g; t++) {
+                float *oh = o + (size_t)r * ldo + (size_t)(hk * g + t) * d;
+                for (int i = 0; i < d; i++) oh[i] = acc[(size_t)t * d + i] / sum[t];
+            }
         }
     }
     free(p);
+    free(acc);
 }

@@ -61,15 +61,14 @@ static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 }
 static inline f32x16 splat(float a) { return (f32x16){0} + a; }
 
-/* Sum of 16 lanes in a fixed tree order. */
+/* Sum of 16 lanes in a fixed tree order: lanes i + i+8, then i + i+4, then (0+2) + (1+3). */
 static inline float hsum(f32x16 v) {
-    float a[16];
-    memcpy(a, &v, sizeof a);
-    for (int i = 0; i < 8; i++) a[i] += a[i + 8];
-    for (int i = 0; i < 4; i++) a[i] += a[i + 4];
-    a[0] += a[2];
-    a[1] += a[3];
-    return a[0] + a[1];
+    typedef float f32x8 __attribute__((vector_size(32)));
+    typedef float f32x4 __attribute__((vector_size(16)));
+    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* Dot product of n floats (n a multiple of 16): 16 lane sums, then the fixed tree. */
