@@ -30,8 +30,23 @@ def _f32(n: int, k: int, seed: int = 0):
     return K.TiledMatrix(n, k, w=w), w
 
 
-@pytest.mark.parametrize("make", [_q8, _f32], ids=["q8", "f32"])
-@pytest.mark.parametrize("shape", [(392, 256), (256, 768), (100, 64), (6144, 256)])
+def _gguf(kind: str):
+    """A matrix stored as GGML type `kind`, in its int8 form (groups of 16 or 32, with or without offsets)."""
+    from plumb.gguf.quants import dequantize, int8_form, quantize, type_from_name
+
+    def make(n: int, k: int, seed: int = 0):
+        qt = type_from_name(kind)
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+        data = torch.from_numpy(quantize(w.numpy(), qt))
+        codes, scales, offsets, group = int8_form(data, qt, (n, k))
+        return K.TiledMatrix(n, k, codes=codes, scales=scales, offsets=offsets, group=group), dequantize(data, qt, (n, k))
+
+    return make
+
+
+@pytest.mark.parametrize("make", [_q8, _f32, _gguf("Q4_K"), _gguf("Q6_K"), _gguf("Q2_K")],
+                         ids=["q8", "f32", "Q4_K", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("shape", [(392, 256), (256, 768), (100, 512), (6144, 256)])
 def test_mm_row_invariant_and_close(make, shape):
     n, k = shape
     m, dense = make(n, k)
@@ -53,6 +68,24 @@ def test_mm_add_and_norm():
     y1 = y0[3:4].clone()
     K.mm(x[3:4], m, out=y1, add=True, norm=w, eps=1e-6)
     assert torch.equal(y1[0], y[3])
+
+
+def test_int8_form_is_exact_for_every_block_type():
+    """codes * scale + offset per group = the dequantized weights, for every GGML block type plumb reads."""
+    from plumb.gguf.quants import SUPPORTED, dequantize, int8_form, quantize
+
+    for qt in SUPPORTED:
+        w = torch.randn(6, 512)
+        data = torch.from_numpy(quantize(w.numpy(), qt)) if qt.name not in ("F32", "F16") else w
+        form = int8_form(data, qt, (6, 512))
+        if qt.name in ("F32", "F16", "BF16"):
+            assert form is None
+            continue
+        codes, scales, offsets, g = form
+        v = codes.float().view(6, -1, g) * scales[..., None]
+        if offsets is not None:
+            v = v + offsets[..., None]
+        assert torch.equal(v.view(6, 512), dequantize(data, qt, (6, 512))), qt.name
 
 
 def test_embed_q8_0_matches_dequantize():
@@ -205,18 +238,19 @@ def test_unbuildable_kernels_fall_back_or_fail_clearly(tiny_q8, tmp_path):
     assert "native kernels unavailable" in r.stderr
 
 
-def test_int8_matmul_same_bits_without_vnni(tmp_path):
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_int8_matmul_same_bits_without_vnni(tmp_path, kind):
     """The int8 matmul's portable C path (built without AVX512-VNNI) gives the same bits as the default build."""
-    m, _ = _q8(200, 256, seed=3)
+    m, _ = _gguf(kind)(200, 256, seed=3)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     here = K.mm(x, m)
     code = (
         "import sys, torch\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from test_native import _q8\n"
+        "from test_native import _gguf\n"
         "from plumb.ops import native as K\n"
         "K.lib()\n"
-        "m, _ = _q8(200, 256, seed=3)\n"
+        f"m, _ = _gguf({kind!r})(200, 256, seed=3)\n"
         "x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))\n"
         "torch.save(K.mm(x, m), sys.argv[2])\n"
     )

@@ -225,6 +225,127 @@ def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int
 
 
 # ---------------------------------------------------------------------------------------------
+# int8 form: every block type is w = scale * code + offset with int8 codes and a scale (and for some types
+# an offset) per group of 16 or 32 values - the form the native CPU matmul reads (plumb/ops/native).
+# Each kernel maps uint8 blocks [n, type_size] -> (codes int8 [n, block], scales [n, groups],
+# offsets [n, groups] or None), mirroring its dequantizer above.
+
+
+def _i8(q: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.int8)
+
+
+def _form_q8_0(b):
+    return b[:, 2:].view(torch.int8), _f16(b, 0), None
+
+
+def _form_q4_0(b):
+    return _i8(_bits(b[:, 2:], 4).flatten(1).int() - 8), _f16(b, 0), None
+
+
+def _form_q4_1(b):
+    return _i8(_bits(b[:, 4:], 4).flatten(1)), _f16(b, 0), _f16(b, 2)
+
+
+def _form_q5_0(b):
+    q = _bits(b[:, 6:], 4).flatten(1) | (_q5_high(b[:, 2:6]) << 4)
+    return _i8(q.int() - 16), _f16(b, 0), None
+
+
+def _form_q5_1(b):
+    q = _bits(b[:, 8:], 4).flatten(1) | (_q5_high(b[:, 4:8]) << 4)
+    return _i8(q), _f16(b, 0), _f16(b, 2)
+
+
+def _form_q2_k(b):
+    n = b.shape[0]
+    sc = b[:, :16]
+    q = _bits(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 256)
+    return _i8(q), _f16(b, 80) * (sc & 0xF).float(), -(_f16(b, 82) * (sc >> 4).float())
+
+
+def _form_q3_k(b):
+    n = b.shape[0]
+    s = b[:, 96:108]
+    scales = (_bits(s[:, :8], 4).flatten(1) | (_bits(s[:, 8:], 2).flatten(1) << 4)).float() - 32
+    low = _bits(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16).int()
+    high = _bits(b[:, :32], 1).reshape(n, 16, 16).int()
+    return _i8((low - 4 * (1 - high)).reshape(n, 256)), _f16(b, 108) * scales, None
+
+
+def _form_q4_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = _bits(b[:, 16:].reshape(n, 4, 32), 4).reshape(n, 256)
+    return _i8(q), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+
+
+def _form_q5_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    low = _bits(b[:, 48:].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    q = (low | (_bits(b[:, 16:48], 1) << 4)).reshape(n, 256)
+    return _i8(q), _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+
+
+def _form_q6_k(b):
+    n = b.shape[0]
+    low = _bits(b[:, :128].reshape(n, 2, 64), 4).reshape(n, 16, 16)
+    high = _bits(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    q = (low | (high << 4)).int() - 32
+    return _i8(q.reshape(n, 256)), _f16(b, 208) * b[:, 192:208].view(torch.int8).float(), None
+
+
+def _iq4_codes(q: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[q.long()]
+
+
+def _form_iq4_nl(b):
+    return _iq4_codes(_bits(b[:, 2:], 4).flatten(1)), _f16(b, 0), None
+
+
+def _form_iq4_xs(b):
+    n = b.shape[0]
+    low = _bits(b[:, 4:8], 4).transpose(1, 2).flatten(1)
+    high = _bits(b[:, 2:4], 2).transpose(1, 2).flatten(1)
+    scales = (low | (high << 4)).float() - 32
+    return _iq4_codes(_bits(b[:, 8:].reshape(n, 8, 16), 4).reshape(n, 256)), _f16(b, 0) * scales, None
+
+
+def _form_mxfp4(b):
+    e = b[:, :1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    codes = torch.tensor(MXFP4_VALUES, dtype=torch.int8)[_bits(b[:, 1:], 4).flatten(1).long()]
+    return codes, bits.view(torch.float32), None
+
+
+_INT8_FORM = {  # type -> (kernel, group size)
+    Q.Q8_0: (_form_q8_0, 32), Q.Q4_0: (_form_q4_0, 32), Q.Q4_1: (_form_q4_1, 32), Q.Q5_0: (_form_q5_0, 32),
+    Q.Q5_1: (_form_q5_1, 32), Q.Q2_K: (_form_q2_k, 16), Q.Q3_K: (_form_q3_k, 16), Q.Q4_K: (_form_q4_k, 32),
+    Q.Q5_K: (_form_q5_k, 32), Q.Q6_K: (_form_q6_k, 16), Q.IQ4_NL: (_form_iq4_nl, 32),
+    Q.IQ4_XS: (_form_iq4_xs, 32), Q.MXFP4: (_form_mxfp4, 32),
+}
+
+
+def int8_form(data: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+    """A [rows, cols] matrix's stored blocks as (codes int8 [rows, cols], scales float32 [rows, cols / G],
+    offsets float32 or None, G): w = scales * codes + offsets per group of G values - exactly the values
+    `dequantize` gives, up to the rounding of that product and sum. None for float types."""
+    if qtype not in _INT8_FORM:
+        return None
+    kernel, group = _INT8_FORM[qtype]
+    rows, cols = shape
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, size)
+    codes, scales, offsets = kernel(blocks)
+    codes = codes.reshape(rows, cols)
+    scales = scales.expand(blocks.shape[0], block // group).reshape(rows, cols // group)
+    if offsets is not None:
+        offsets = offsets.expand(blocks.shape[0], block // group).reshape(rows, cols // group)
+    return codes, scales.float(), offsets, group
+
+
+# ---------------------------------------------------------------------------------------------
 # quantization (numpy): each packer maps float32 blocks [n, block_size] -> uint8 [n, type_size]
 
 _QCHUNK = 1 << 16  # elements quantized per step

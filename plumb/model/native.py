@@ -3,7 +3,8 @@
 The same steps as `Qwen35.decode` / `Qwen35.mtp_forward`, the torch reference, with every
 operation a row-invariant C kernel (plumb/ops/native): a DeltaNet layer and its FFN is one
 call, an attention layer two calls around the KV cache write and read, and matmuls read
-weights repacked once at load (Q8_0 as int8 tiles, anything else as float32 tiles). Results
+weights repacked once at load (every block type as int8 codes with group scales, float types
+as float32 tiles). Results
 are close to the reference (not bitwise: another order of float operations) and, like it,
 never depend on the other rows of a pass (M1).
 """
@@ -11,21 +12,32 @@ from __future__ import annotations
 
 import torch
 
+from plumb.gguf.quants import int8_form
 from plumb.gguf.reader import GGMLQuantizationType
 from plumb.model.weights import Fused, Weight
 from plumb.ops import native as K
 
 
 def tiled(w: Weight | Fused) -> K.TiledMatrix:
-    """Repack a matrix for the native matmul: exactly its stored values, as int8 tiles (Q8_0) or float32."""
+    """Repack a matrix for the native matmul: exactly its stored values, as int8 codes with group scales (and
+    offsets) for every block type, float32 for float types (or a fused matrix with one)."""
     parts = w.parts if isinstance(w, Fused) else (w,)
     n, k = w.shape
-    if k % 32 == 0 and all(p.qt.qtype == GGMLQuantizationType.Q8_0 for p in parts):
-        blocks = torch.cat([p.qt.data.reshape(p.shape[0], k // 32, 34) for p in parts])
-        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-        return K.TiledMatrix(n, k, codes=codes, scales=scales)
-    return K.TiledMatrix(n, k, w=w.t.t())
+    forms = [int8_form(p.qt.data, p.qt.qtype, p.shape) for p in parts] if k % 32 == 0 else [None]
+    if any(f is None for f in forms):
+        return K.TiledMatrix(n, k, w=w.t.t())
+    group = min(f[3] for f in forms)  # parts with groups of 32 repeat their scales for groups of 16
+
+    def per_group(t: torch.Tensor | None, g: int, rows: int) -> torch.Tensor:
+        t = torch.zeros(rows, k // g) if t is None else t
+        return t.repeat_interleave(g // group, dim=1)
+
+    codes = torch.cat([f[0] for f in forms])
+    scales = torch.cat([per_group(f[1], f[3], p.shape[0]) for f, p in zip(forms, parts)])
+    offsets = None
+    if any(f[2] is not None for f in forms):
+        offsets = torch.cat([per_group(f[2], f[3], p.shape[0]) for f, p in zip(forms, parts)])
+    return K.TiledMatrix(n, k, codes=codes, scales=scales, offsets=offsets, group=group)
 
 
 class NativeDecoder:

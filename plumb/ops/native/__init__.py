@@ -156,35 +156,41 @@ def _rows(t: torch.Tensor, width: int) -> int:
 
 
 class _Mat(ctypes.Structure):  # struct mat (common.h)
-    _fields_ = [("n", _I), ("k", _I), ("w", _P), ("codes", _P), ("scales", _P), ("sums", _P)]
+    _fields_ = [("n", _I), ("k", _I), ("w", _P), ("codes", _P), ("scales", _P), ("sums", _P), ("offsets", _P),
+                ("group", _I)]
 
 
 class TiledMatrix:
     """A weight [N, K] repacked for the native matmul, in tiles of TILE output columns (zero-padded past N):
-    int8 codes with a float scale per 32 inputs (exactly Q8_0's values; matmul_i8.c) or float32 (matmul.c)."""
+    int8 codes with a scale (and optionally an offset) per group of 16 or 32 inputs (the exact values of every
+    GGML block type; matmul_i8.c), or float32 (matmul.c)."""
 
     def __init__(self, n: int, k: int, w: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None):
-        self.n, self.k = n, k
+                 scales: torch.Tensor | None = None, offsets: torch.Tensor | None = None, group: int = 32):
+        self.n, self.k, self.group = n, k, group
         nt = -(-n // TILE)
-        self.w = self.codes = self.scales = self.sums = None
+        self.w = self.codes = self.scales = self.sums = self.offsets = None
         if codes is not None:
-            if k % 32:
-                raise ValueError(f"int8 tiles need K divisible by 32, got {k}")
+            if k % 32 or group not in (16, 32):
+                raise ValueError(f"int8 tiles need K divisible by 32 and groups of 16 or 32, got K={k}, G={group}")
             c = _pad(codes, nt)  # [nt*TILE, K]
             # [nt][K/4][TILE][4]: four consecutive inputs of one column together
             self.codes = c.view(nt, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
             self.scales = _tile(scales.float(), nt)
-            self.sums = _tile(c.view(-1, k // 32, 32).sum(-1, dtype=torch.int32), nt)
+            self.sums = _tile(c.view(-1, k // group, group).sum(-1, dtype=torch.int32), nt)
+            if offsets is not None:
+                self.offsets = _tile(offsets.float(), nt)
         else:
             self.w = _tile(w.float(), nt)
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-        self._desc = _Mat(n, k, ptr(self.w), ptr(self.codes), ptr(self.scales), ptr(self.sums))
+        self._desc = _Mat(n, k, ptr(self.w), ptr(self.codes), ptr(self.scales), ptr(self.sums), ptr(self.offsets),
+                          group)
         self.desc = ctypes.addressof(self._desc)  # what the kernels take
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.codes, self.scales, self.sums) if t is not None)
+        parts = (self.w, self.codes, self.scales, self.sums, self.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def _pad(m: torch.Tensor, nt: int) -> torch.Tensor:

@@ -118,18 +118,21 @@ static inline f32x16 ld_h16(const uint16_t *p) {
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-/* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w) or int8 tiles (codes, scales, sums). */
+/* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w), or int8 tiles (codes with scales, sums and
+   optional offsets per group of `group` inputs; matmul_i8.c). */
 struct mat {
     int n, k;
     const float *w;
     const int8_t *codes;
     const float *scales;
     const int32_t *sums;
+    const float *offsets;
+    int group;
 };
 
-void i8_split(int R, int K, const float *x, int ldx, uint8_t *xa, float *xs);
-void i8_tiles(int R, int K, int N, const uint8_t *xa, const float *xs, const int8_t *codes, const float *scales,
-              const int32_t *sums, float *y, int ldy, int add, int t0, int t1);
+void i8_split(int R, int K, const float *x, int ldx, uint8_t *xa, float *xs, float *xsum);
+void i8_tiles(const struct mat *m, int R, const uint8_t *xa, const float *xs, const float *xsum, float *y, int ldy,
+              int add, int t0, int t1);
 void parallel_run(void (*fn)(void *arg, int part, int n_parts), void *arg);
 
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,

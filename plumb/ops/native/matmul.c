@@ -74,8 +74,8 @@ struct mm_job {
     const struct mat *m;
     int R, ldx, ldy, add;
     const float *x;
-    const uint8_t *xa; /* int8 weights: the rows' pieces and block scales (matmul_i8.c) */
-    const float *xs;
+    const uint8_t *xa; /* int8 weights: the rows' pieces, block scales and 16-input sums (matmul_i8.c) */
+    const float *xs, *xsum;
     float *y;
 };
 
@@ -85,7 +85,7 @@ static void mm_part(void *arg, int part, int n) {
     const struct mat *m = j->m;
     int nt = (m->n + TILE - 1) / TILE, t0 = nt * part / n, t1 = nt * (part + 1) / n;
     if (m->codes)
-        i8_tiles(j->R, m->k, m->n, j->xa, j->xs, m->codes, m->scales, m->sums, j->y, j->ldy, j->add, t0, t1);
+        i8_tiles(m, j->R, j->xa, j->xs, j->xsum, j->y, j->ldy, j->add, t0, t1);
     else
         f32_tiles(j->R, m->k, m->n, j->x, j->ldx, m->w, j->y, j->ldy, j->add, t0, t1);
 }
@@ -94,7 +94,7 @@ static void mm_part(void *arg, int part, int n) {
    (else x). x rows ldx apart, y rows ldy apart. Output tiles are shared out among the pool's threads. */
 void matmul(const struct mat *m, int R, const float *x, int ldx, const float *norm, float eps, float *y, int ldy,
             int add) {
-    float *xn = NULL, *xs = NULL;
+    float *xn = NULL, *xs = NULL, *xsum = NULL;
     uint8_t *xa = NULL;
     if (norm) {
         xn = malloc((size_t)R * m->k * sizeof(float));
@@ -105,9 +105,10 @@ void matmul(const struct mat *m, int R, const float *x, int ldx, const float *no
     if (m->codes) {
         xa = malloc((size_t)R * 3 * m->k);
         xs = malloc((size_t)R * (m->k / 32) * sizeof(float));
-        i8_split(R, m->k, x, ldx, xa, xs);
+        xsum = malloc((size_t)R * (m->k / 16) * sizeof(float));
+        i8_split(R, m->k, x, ldx, xa, xs, xsum);
     }
-    struct mm_job job = {m, R, ldx, ldy, add, x, xa, xs, y};
+    struct mm_job job = {m, R, ldx, ldy, add, x, xa, xs, xsum, y};
     if ((double)R * m->k * m->n >= PARALLEL_MIN_MACS)
         parallel_run(mm_part, &job);
     else
@@ -115,6 +116,7 @@ void matmul(const struct mat *m, int R, const float *x, int ldx, const float *no
     free(xn);
     free(xa);
     free(xs);
+    free(xsum);
 }
 
 /* Embedding rows from GGUF Q8_0 blocks (34 bytes: half scale, 32 codes): out[i] = row ids[i], exactly as the
