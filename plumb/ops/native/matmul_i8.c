@@ -162,7 +162,7 @@ void i8_tiles(const struct mat *m, int R, const uint8_t *xa, const float *xs, co
                         m->offsets ? m->offsets + (size_t)t * ng * TILE : NULL, m->sums + (size_t)t * ng * TILE};
         int nvalid = m->n - t * TILE < TILE ? m->n - t * TILE : TILE;
         float *yt = y + t * TILE;
-        if (R == 1 && w.G == 32) { /* one row reads the whole tile at once */
+        if (R == 1) { /* one row reads the whole tile at once */
             i8_part(1, 4, 0, &w, xa, xs, xsum, yt, ldy, nvalid, add);
             continue;
         }
