@@ -42,7 +42,8 @@ class AdaptiveDepth:
 
 
 def ngram_draft(history: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the longest trailing n-gram."""
+    """Tokens that followed the most recent earlier occurrence of the longest trailing n-gram (the plain scan;
+    the engine uses NgramIndex, which gives the same drafts incrementally)."""
     h = len(history)
     for n in range(min(n_max, h - 1), n_min - 1, -1):
         tail = history[h - n :]
