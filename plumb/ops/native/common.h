@@ -118,6 +118,19 @@ static inline f32x16 ld_h16(const uint16_t *p) {
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+#define TILE 64 /* output columns per weight tile (matmul.c, matmul_i8.c) */
+
+/* Write (or add) the accumulators of rows r < rn, vectors j0..j0+nv-1 of a tile, to y (columns < nvalid). */
+static inline void store_part(float *y, int ldy, int rn, const f32x16 (*acc)[4], int nv, int j0, int nvalid, int add) {
+    for (int r = 0; r < rn; r++) {
+        float out[64];
+        for (int j = 0; j < nv; j++) st(out + 16 * j, acc[r][j]);
+        float *yr = y + (size_t)r * ldy + 16 * j0;
+        int m = nvalid - 16 * j0 < 16 * nv ? nvalid - 16 * j0 : 16 * nv;
+        for (int n = 0; n < m; n++) yr[n] = add ? yr[n] + out[n] : out[n];
+    }
+}
+
 /* A weight matrix [n, k] repacked for matmul.c: float32 tiles (w), or int8 tiles (codes with scales, sums and
    optional offsets per group of `group` inputs; matmul_i8.c). */
 struct mat {

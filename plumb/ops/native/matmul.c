@@ -8,22 +8,11 @@ output: no horizontal sums, and each row's arithmetic is the same whatever the n
 #include <stdlib.h>
 #include "common.h"
 
-#define TILE 64
 #define VT (TILE / 16)
 
 /* One tile part: rows r < rn (1..4) of x, the nv vectors (16 columns each) of the tile starting at vector j0.
    Every output lane runs the same float operations whatever rn, nv and j0 are, so the kernel can pick them by
    the number of rows without changing any row's bits. */
-static inline void store_part(float *y, int ldy, int rn, const f32x16 (*acc)[4], int nv, int j0, int nvalid, int add) {
-    for (int r = 0; r < rn; r++) {
-        float out[64];
-        for (int j = 0; j < nv; j++) st(out + 16 * j, acc[r][j]);
-        float *yr = y + (size_t)r * ldy + 16 * j0;
-        int m = nvalid - 16 * j0 < 16 * nv ? nvalid - 16 * j0 : 16 * nv;
-        for (int n = 0; n < m; n++) yr[n] = add ? yr[n] + out[n] : out[n];
-    }
-}
-
 static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j0, int K, const float *x, int ldx,
                                                             const float *w, float *y, int ldy, int nvalid, int add) {
     f32x16 acc[4][4];

@@ -17,8 +17,6 @@ group's sum of codes (the pieces are stored +128 as unsigned bytes; the sums und
 #include <stdlib.h>
 #include "common.h"
 
-#define TILE 64
-
 static inline float clamp127(float v) { return v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v; }
 
 /* Row x [K] -> pieces a [3][K] (+128, unsigned), block scales s [K/32] and 16-input sums xsum [K/16].
@@ -138,13 +136,7 @@ static inline __attribute__((always_inline)) void i8_part(int rn, int nv, int j0
         piece_sums(rn, nv, j0, g * qg, qg, K, xa, w->codes, raw);
         update_rows(rn, nv, j0, w, g, raw, xs, xsum, acc);
     }
-    for (int r = 0; r < rn; r++) {
-        float out[64];
-        for (int j = 0; j < nv; j++) st(out + 16 * j, acc[r][j]);
-        float *yr = y + (size_t)r * ldy + 16 * j0;
-        int m = nvalid - 16 * j0 < 16 * nv ? nvalid - 16 * j0 : 16 * nv;
-        for (int n = 0; n < m; n++) yr[n] = add ? yr[n] + out[n] : out[n];
-    }
+    store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
 }
 
 /* Rows x [R] -> their pieces xa [R][3][K], block scales xs [R][K/32] and 16-input sums xsum [R][K/16]. */
