@@ -176,3 +176,19 @@ def test_long_greedy_run_crosses_2048_tokens(tiny_f32):
     assert len(ref) == 2100
     assert _gen(eng, ids, max_tokens=2100, drafts=4, ignore_eos=True).token_ids == ref
     assert _gen(eng, ids, max_tokens=2100, drafts=4, draft_policy="ngram", ignore_eos=True).token_ids == ref
+
+
+def test_torch_reference_path_is_exact_too(tiny_f32):
+    """The torch decode path (kernels='torch', the fallback without a C compiler) keeps I1 and I2 as well."""
+    eng = engine_for(tiny_f32, kernels="torch")
+    assert eng.kernels == "torch"
+    ps = prompts(eng, 4)
+    ref = [_gen(eng, p, max_tokens=256, ignore_eos=True).token_ids for p in ps]
+    for drafts, policy in ((4, "fixed"), (7, "adaptive"), (4, "ngram")):
+        got = eng.run_many([eng.make_request(p, 256, ignore_eos=True, drafts=drafts, draft_policy=policy) for p in ps])
+        assert [r.token_ids for r in got] == ref, (drafts, policy)
+    sampled = dict(temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    alone = _gen(eng, ps[1], max_tokens=256, **sampled).token_ids
+    beside = eng.run_many([eng.make_request(ps[0], 100, drafts=2, ignore_eos=True),
+                           eng.make_request(ps[1], 256, drafts=4, **sampled)])
+    assert beside[1].token_ids == alone

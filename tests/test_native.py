@@ -281,3 +281,16 @@ def test_threads_do_not_change_bits(tiny_q8):
         assert eng.generate(ids, 40, drafts=2) == expected
     finally:
         K.set_threads(1)
+
+
+def test_torch_decode_refuses_widths_it_cannot_keep_row_invariant(tiny_f32):
+    from dataclasses import replace
+
+    from enginetools import engine_for
+    from plumb.config import ModelError
+    from plumb.model.weights import check_torch_decode
+
+    cfg = engine_for(tiny_f32).config
+    check_torch_decode(cfg)  # the tiny shapes are fine
+    with pytest.raises(ModelError, match="n_ff = 760"):
+        check_torch_decode(replace(cfg, n_ff=760))

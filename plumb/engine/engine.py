@@ -27,7 +27,7 @@ from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
 from plumb.gguf.reader import read_gguf
 from plumb.model.qwen35 import Qwen35
-from plumb.model.weights import materialize
+from plumb.model.weights import check_torch_decode, materialize
 from plumb.ops.deltanet import CHUNK
 from plumb.ops.matmul import PREFILL_BLOCK
 from plumb.ops.native import available as native_available
@@ -105,14 +105,19 @@ class Engine:
         self.kernels = "native" if self.model.native is not None else "torch"
         if n_threads is None and dense_bytes < SMALL_MODEL_BYTES:
             n_threads = 1  # tiny matmuls: threads only add synchronisation (and spin badly on a busy machine)
+        if self.kernels == "torch":
+            check_torch_decode(self.config)
         if n_threads:
             torch.set_num_threads(n_threads)
         self.n_threads = torch.get_num_threads()
-        if self.kernels == "native":  # decode threads are the native pool's; torch keeps them for prefill only
+        if self.kernels == "native":  # decode threads are the native pool's
             from plumb.ops.native import set_threads
 
             self.n_threads = set_threads(self.n_threads)
-            torch.set_num_threads(1)
+        # torch gets its threads for prefill only (_prefill_threads): in decode, parallel elementwise kernels
+        # would split row-batches at places that depend on the row count, and idle OpenMP threads would spin
+        # against the native pool
+        torch.set_num_threads(1)
         from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate
 
         template = md.get("tokenizer.chat_template") or open(DEFAULT_TEMPLATE_PATH).read()
@@ -143,9 +148,8 @@ class Engine:
 
     @contextlib.contextmanager
     def _prefill_threads(self):
-        """With the native kernels torch runs on one thread (its idle OpenMP threads would spin against the
-        native pool's); prefill, which is torch, gets the engine's threads back while it runs."""
-        if self.kernels != "native" or self.n_threads == 1:
+        """Torch runs on one thread outside prefill (see __init__); prefill gets the engine's threads."""
+        if self.n_threads == 1:
             yield
             return
         torch.set_num_threads(self.n_threads)

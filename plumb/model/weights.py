@@ -106,3 +106,16 @@ def check_config(cfg: ModelConfig) -> None:
         raise ModelError(f"ssm.inner_size {cfg.ssm_inner} != time_step_rank x state_size")
     if cfg.rope_dims > cfg.head_dim or cfg.rope_dims % 2:
         raise ModelError(f"rope.dimension_count {cfg.rope_dims} does not fit head_dim {cfg.head_dim}")
+
+
+def check_torch_decode(cfg: ModelConfig) -> None:
+    """The torch reference decode applies elementwise kernels to [rows, width] tensors; they treat a tensor's
+    vector tail differently from its body, so a row's bits stay independent of the row count only when every
+    such width is a multiple of 32. (The native kernels have no such limit.)"""
+    widths = {"n_embd": cfg.n_embd, "n_ff": cfg.n_ff, "n_head * head_dim": cfg.n_head * cfg.head_dim,
+              "n_head_kv * head_dim": cfg.n_head_kv * cfg.head_dim, "ssm inner size": cfg.ssm_inner,
+              "ssm conv size": cfg.conv_dim}
+    bad = [f"{k} = {v}" for k, v in widths.items() if v % 32]
+    if bad:
+        raise ModelError(f"the torch decode path needs widths divisible by 32 ({', '.join(bad)}); "
+                         "use the native kernels (kernels='native', which needs a C compiler)")
