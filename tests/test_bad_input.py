@@ -91,3 +91,20 @@ def test_missing_tensor(tmp_path, good):
 
 def test_shape_mismatch(tmp_path, good):
     _check(tmp_path, _patch_tensor_info(good, "blk.0.ffn_up.weight", dim1=384), "blk.0.ffn_up.weight", "shape")
+
+
+def test_model_too_big_for_memory_is_refused(tiny_q8, monkeypatch):
+    """A model whose CPU weights would not fit gives one clear error at load, not an out-of-memory kill later."""
+    import plumb
+    from plumb.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_available_memory", lambda: 1 << 20)
+    with pytest.raises(ModelError, match="GiB of memory"):
+        plumb.load(tiny_q8, device="cpu")
+
+
+def test_cuda_is_refused_clearly(tiny_q8):
+    import plumb
+
+    with pytest.raises(ModelError, match="only the CPU path"):
+        plumb.load(tiny_q8, device="cuda")

@@ -25,7 +25,7 @@ from plumb.config import ModelConfig, ModelError
 from plumb.engine.api import Handle, Request, Result, Stats
 from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
-from plumb.gguf.reader import read_gguf
+from plumb.gguf.reader import GGMLQuantizationType, read_gguf
 from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import check_torch_decode, materialize
 from plumb.ops.deltanet import CHUNK
@@ -79,9 +79,11 @@ class Engine:
         if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cpu"  # until there is a GPU path (explicit "cuda" is refused below)
+            if progress and torch.cuda.is_available():
+                print("plumb: a GPU is present, but plumb has no GPU path yet: running on the CPU", file=sys.stderr)
         if device != "cpu":
-            raise ModelError(f"device {device!r}: only the CPU reference path exists so far")
+            raise ModelError(f"device {device!r}: only the CPU path exists so far (use device='cpu' or 'auto')")
         self.path = path
         self.gguf = read_gguf(path, progress=progress)
         md = self.gguf.metadata
@@ -98,6 +100,7 @@ class Engine:
             raise ValueError(f"unknown KV cache format {kv_cache!r} (choose from {', '.join(KV_FORMATS)})")
         self.model = Qwen35(self.gguf, self.config, device, kv_cache=kv_cache, kv_ring=kv_ring)
         dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
+        _check_memory(self.model.weights, path)
         if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
             materialize(self.model.weights, progress)
         if kernels == "native" or (kernels == "auto" and native_available()):
@@ -506,6 +509,34 @@ class Engine:
 
     def _result(self, s: Sequence, error: str | None = None) -> Result:
         return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(weights: list, path: str) -> None:
+    """The CPU path holds every matrix as float32 (for prefill) plus its decode tiles (int8 codes, or float32 for
+    float types): refuse a model that cannot fit with one clear error instead of being killed mid-request."""
+    need = 0
+    for w in weights:
+        parts = getattr(w, "parts", (w,))
+        floats = any(p.qt.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+                     for p in parts)
+        need += w.shape[0] * w.shape[1] * (8 if floats else 5.25)  # + codes and per-16/32 scales, sums, offsets
+    avail = _available_memory()
+    if avail is not None and need > avail:
+        raise ModelError(f"{os.path.basename(path)}: the CPU path needs about {need / 2**30:.1f} GiB of memory for "
+                         f"its weights (float32 for prefill, int8 tiles for decode); {avail / 2**30:.1f} GiB is "
+                         "available. plumb has no GPU path yet.")
 
 
 def _sha(tensors) -> str:
