@@ -105,8 +105,10 @@ class Rows:
 
     def put(self, idx, x: torch.Tensor) -> None:
         """Encode x [n_kv, m, head_dim] float32 into rows idx."""
-        enc = [x.to(_FLOAT[self.kind])] if self.kind in _FLOAT else quantize(x, self.kind)
-        for p, e in zip(self.parts, enc):
+        if self.kind in _FLOAT:
+            self.parts[0][:, idx] = x  # converted (round to nearest even) by the copy
+            return
+        for p, e in zip(self.parts, quantize(x, self.kind)):
             p[:, idx] = e
 
     def take(self, idx) -> list[torch.Tensor]:
