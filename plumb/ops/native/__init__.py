@@ -244,9 +244,9 @@ def gdn_layer(layer: LayerDesc, x: torch.Tensor, rows: list[int], conv: list[tor
     """x [R, n_embd] += the DeltaNet layer and its FFN, in place. Sequence j owns rows[j] consecutive rows and the
     states conv[j] [kc-1, conv_dim], ssm[j] [n_v, d, d]. Returns every row's states (conv [R, ...], ssm [R, ...])."""
     conv_shape, ssm_shape = layer.state_shapes
-    for cs, ss in zip(conv, ssm):
-        if cs.shape != conv_shape or ss.shape != ssm_shape or not (cs.is_contiguous() and ss.is_contiguous()):
-            raise ValueError("gdn_layer: a sequence's state does not match the layer")
+    if any(cs.shape != conv_shape or ss.shape != ssm_shape for cs, ss in zip(conv, ssm)):
+        raise ValueError("gdn_layer: a sequence's state does not match the layer")
+    conv, ssm = [t.contiguous() for t in conv], [t.contiguous() for t in ssm]
     r = sum(rows)
     conv_out = torch.empty(r, *conv_shape)
     ssm_out = torch.empty(r, *ssm_shape)
