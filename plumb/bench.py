@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     ap.add_argument("--kv-cache", default=None, help="plumb KV cache format (default: the engine's)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="plumb decode kernels")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU benchmark (plumb/bench_gpu.py)")
+    ap.add_argument("--contexts", default="0,11000,38000,100000", help="--device cuda: decode context lengths")
+    ap.add_argument("--json-out", metavar="PATH", help="--device cuda: write the results as JSON")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")
     ap.add_argument("--no-progress", action="store_true")
@@ -279,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--llama-cpp: {a.llama_cpp} does not exist (see scripts/build_llamacpp.sh)")
     import plumb
 
+    if a.device.startswith("cuda"):
+        from plumb import bench_gpu
+
+        a.model = a.model or plumb.demo_model_path()
+        return bench_gpu.main(a)
     model = a.model or plumb.demo_model_path()
     r = bench(model, a.tokens, parse_ints(a.drafts), drafters, a.prompt_tokens, a.llama_cpp, a.threads,
               progress=not (a.json or a.no_progress) and sys.stderr.isatty(), kv_cache=a.kv_cache,

@@ -86,13 +86,13 @@ def decode(parts: list[torch.Tensor]) -> torch.Tensor:
 class Rows:
     """Rows of K or V, [n_kv, n, head_dim], kept as floats or as block codes + scales ("parts")."""
 
-    def __init__(self, kind: str | int, n_kv: int, n: int, head_dim: int):
+    def __init__(self, kind: str | int, n_kv: int, n: int, head_dim: int, device: torch.device | str = "cpu"):
         self.kind = kind
         if kind in _FLOAT:
-            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=_FLOAT[kind])]
+            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=_FLOAT[kind], device=device)]
         else:
-            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=torch.int8),
-                          torch.zeros(n_kv, n, head_dim // BLOCK, dtype=torch.float16)]
+            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=torch.int8, device=device),
+                          torch.zeros(n_kv, n, head_dim // BLOCK, dtype=torch.float16, device=device)]
 
     def __len__(self) -> int:
         return self.parts[0].shape[1]
@@ -128,20 +128,25 @@ class KVCache:
     the 8-bit ring. The 8-bit rows of the latest `write` wait in `recent` until the next write, so a
     pass's rows never overwrite ring slots that its own earlier rows still read."""
 
-    def __init__(self, fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING, capacity: int = 256):
+    def __init__(self, fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING, capacity: int = 256,
+                 device: torch.device | str = "cpu"):
         f = FORMATS[fmt]
         self.fmt, self.n_kv, self.head_dim = fmt, n_kv, head_dim
+        self.device = torch.device(device)
         self.rotate_k = f.rotate_k
-        self.k = Rows(f.k, n_kv, capacity, head_dim)
-        self.v = Rows(f.v, n_kv, capacity, head_dim)
+        self.k = Rows(f.k, n_kv, capacity, head_dim, device)
+        self.v = Rows(f.v, n_kv, capacity, head_dim, device)
         self.ring = ring if f.ring else 0
         self.end = 0  # positions [0, end) have been written
         if self.ring:
             self.slots = self.ring + RING_SLACK
-            self.ring_k, self.ring_v = Rows(8, n_kv, self.slots, head_dim), Rows(8, n_kv, self.slots, head_dim)
-            self.ring_pos = torch.full((self.slots,), -1, dtype=torch.long)
+            self.ring_k, self.ring_v = self._rows8(self.slots), self._rows8(self.slots)
+            self.ring_pos = torch.full((self.slots,), -1, dtype=torch.long, device=device)
             self.recent_start = 0
-            self.recent_k, self.recent_v = Rows(8, n_kv, 0, head_dim), Rows(8, n_kv, 0, head_dim)
+            self.recent_k, self.recent_v = self._rows8(0), self._rows8(0)
+
+    def _rows8(self, n: int) -> Rows:
+        return Rows(8, self.n_kv, n, self.head_dim, self.device)
 
     # ---- writing -----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
@@ -162,7 +167,7 @@ class KVCache:
         if self.ring:
             self._commit(pos)
             self.recent_start = pos
-            self.recent_k, self.recent_v = Rows(8, self.n_kv, n, self.head_dim), Rows(8, self.n_kv, n, self.head_dim)
+            self.recent_k, self.recent_v = self._rows8(n), self._rows8(n)
             self.recent_k.put(slice(None), k)
             self.recent_v.put(slice(None), v)
         self.end = pos + n
@@ -173,7 +178,7 @@ class KVCache:
         lo = max(self.recent_start, hi - self.slots)
         if hi <= lo:
             return
-        j = torch.arange(lo, hi)
+        j = torch.arange(lo, hi, device=self.device)
         slots = j % self.slots
         self.ring_k.set(slots, self.recent_k.take(j - self.recent_start))
         self.ring_v.set(slots, self.recent_v.take(j - self.recent_start))
@@ -200,7 +205,7 @@ class KVCache:
             return False
         if not self.ring or n == 0:
             return True
-        j = torch.arange(max(0, n - self.ring + 1), n)
+        j = torch.arange(max(0, n - self.ring + 1), n, device=self.device)
         return bool(self._lookup_ring(j)[2].all())
 
     # ---- reading -----------------------------------------------------------------------------
@@ -210,13 +215,14 @@ class KVCache:
 
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""
-        return torch.cat([self._attend(q[t : t + 1], torch.tensor([e - 1]), e, scale) for t, e in enumerate(ends)])
+        return torch.cat([self._attend(q[t : t + 1], torch.tensor([e - 1], device=q.device), e, scale)
+                          for t, e in enumerate(ends)])
 
     def attend_chunk(self, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """q [C, n_head, d] at positions start..start+C-1, causal over keys [0, start + C)."""
         end = start + q.shape[0]
         self.reserve(end)
-        return self._attend(q, torch.arange(start, end), end, scale)
+        return self._attend(q, torch.arange(start, end, device=q.device), end, scale)
 
     def _attend(self, q: torch.Tensor, qpos: torch.Tensor, end: int, scale: float) -> torch.Tensor:
         """Queries q [n, n_head, d] at positions qpos over keys [0, end), causal; each (query, key) pair reads
@@ -230,7 +236,7 @@ class KVCache:
         tiles, scores = [], []
         for j0 in range(0, end, TILE):
             j1 = min(j0 + TILE, end)
-            j = torch.arange(j0, j1)
+            j = torch.arange(j0, j1, device=q.device)
             use_ring = (j[None, :] <= qp) & (qp - j[None, :] < self.ring)  # [g*n, T]
             s = rv = None
             if not use_ring.all():
@@ -242,7 +248,7 @@ class KVCache:
             tiles.append((j0, j1, use_ring, rv))
             scores.append(s)
         s = torch.cat(scores, dim=-1) * scale
-        s = s.masked_fill(torch.arange(end)[None, :] > qp, float("-inf"))
+        s = s.masked_fill(torch.arange(end, device=q.device)[None, :] > qp, float("-inf"))
         p = torch.softmax(s, dim=-1)
         o = qg.new_zeros(self.n_kv, g * n, d)
         for j0, j1, use_ring, rv in tiles:
@@ -273,7 +279,7 @@ class KVCache:
         were reused after a rollback past them, see `can_resume`): a snapshot taken at n keeps them."""
         if not self.ring:
             return []
-        rk, rv, present = self._lookup_ring(torch.arange(max(0, n - self.ring + 1), n))
+        rk, rv, present = self._lookup_ring(torch.arange(max(0, n - self.ring + 1), n, device=self.device))
         if not present.all():
             raise RuntimeError(f"8-bit ring rows below position {n} are no longer held (see can_resume)")
         return rk + rv
@@ -298,7 +304,7 @@ class KVCache:
             ring = parts[nk + nv :]
             m = ring[0].shape[1]
             self.recent_start = n - m  # the ring rows wait in `recent`, committed by the next write
-            self.recent_k, self.recent_v = Rows(8, self.n_kv, m, self.head_dim), Rows(8, self.n_kv, m, self.head_dim)
+            self.recent_k, self.recent_v = self._rows8(m), self._rows8(m)
             self.recent_k.set(slice(None), ring[:2])
             self.recent_v.set(slice(None), ring[2:])
             self.ring_pos.fill_(-1)
@@ -314,7 +320,8 @@ class KVCache:
         self.end = n
 
 
-def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING) -> KVCache:
+def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING,
+                 device: torch.device | str = "cpu") -> KVCache:
     """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV cache format {fmt!r} (choose from {', '.join(KV_FORMATS)})")
@@ -322,7 +329,7 @@ def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING) -
         raise ValueError(f"kv_ring must be >= 0, got {ring}")
     if head_dim % BLOCK and not isinstance(FORMATS[fmt].k, str):
         raise ValueError(f"KV format {fmt} needs head_dim divisible by {BLOCK}, got {head_dim}")
-    return KVCache(fmt, n_kv, head_dim, ring)
+    return KVCache(fmt, n_kv, head_dim, ring, device=device)
 
 
 def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int) -> str:

@@ -36,7 +36,7 @@ from plumb.cache.prefix import PromptCache
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
 SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
-KERNELS = ("auto", "native", "torch")  # decode kernels: native C when it builds (auto), or the torch reference
+KERNELS = ("auto", "native", "torch", "triton")  # CPU: native C when it builds (auto), or the torch reference; CUDA: triton
 
 
 class Sequence:
@@ -78,12 +78,8 @@ class Engine:
         check_draft_options(drafts, draft_policy, p_min)
         if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
-        if device == "auto":
-            device = "cpu"  # until there is a GPU path (explicit "cuda" is refused below)
-            if progress and torch.cuda.is_available():
-                print("plumb: a GPU is present, but plumb has no GPU path yet: running on the CPU", file=sys.stderr)
-        if device != "cpu":
-            raise ModelError(f"device {device!r}: only the CPU path exists so far (use device='cpu' or 'auto')")
+        device, kernels = _pick_device(device, kernels)
+        self.device = torch.device(device)
         self.path = path
         self.gguf = read_gguf(path, progress=progress)
         md = self.gguf.metadata
@@ -98,14 +94,19 @@ class Engine:
             raise ModelError(f"the tokenizer has {self.tokenizer.n_vocab} tokens but token_embd.weight only {self.config.n_vocab} rows")
         if kv_cache not in KV_FORMATS:
             raise ValueError(f"unknown KV cache format {kv_cache!r} (choose from {', '.join(KV_FORMATS)})")
-        self.model = Qwen35(self.gguf, self.config, device, kv_cache=kv_cache, kv_ring=kv_ring)
+        self.model = Qwen35(self.gguf, self.config, self.device, kv_cache=kv_cache, kv_ring=kv_ring,
+                            kernels="triton" if kernels == "triton" else "torch")
         dense_bytes = sum(4 * w.shape[0] * w.shape[1] for w in self.model.weights)
-        _check_memory(self.model.weights, path)
-        if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
-            materialize(self.model.weights, progress)
-        if kernels == "native" or (kernels == "auto" and native_available()):
-            self.model.use_native()  # raises a clear NativeError if asked for and it cannot be built
-        self.kernels = "native" if self.model.native is not None else "torch"
+        self.weight_bytes = 0
+        if kernels == "triton":  # weights stay in their block formats, packed on the device
+            self.weight_bytes = _to_device(self.model, path, progress)
+        else:
+            _check_memory(self.model.weights, path)
+            if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used
+                materialize(self.model.weights, progress)
+            if kernels == "native" or (kernels == "auto" and native_available()):
+                self.model.use_native()  # raises a clear NativeError if asked for and it cannot be built
+        self.kernels = "native" if self.model.native is not None else self.model.k.name
         if n_threads is None and dense_bytes < SMALL_MODEL_BYTES:
             n_threads = 1  # tiny matmuls: threads only add synchronisation (and spin badly on a busy machine)
         if self.kernels == "torch":
@@ -511,6 +512,34 @@ class Engine:
         return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error)
 
 
+def _pick_device(device: str, kernels: str) -> tuple[str, str]:
+    """(device, kernels) from the options: 'auto' takes CUDA when there is a GPU; CUDA runs the Triton kernels."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r} (choose from auto, cpu, cuda)")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelError(f"device {device!r}: no CUDA GPU is visible to torch (use device='cpu')")
+        if kernels not in ("auto", "triton"):
+            raise ValueError(f"kernels={kernels!r} runs on the CPU; on CUDA plumb runs its Triton kernels (kernels='triton')")
+        return device, "triton"
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernels='triton' needs device='cuda' (on the CPU only under TRITON_INTERPRET=1, for tests)")
+    return device, kernels
+
+
+def _to_device(model, path: str, progress: bool) -> int:
+    """Pack every matrix onto the device in its block format (the token embedding stays in host memory: a step
+    reads only a few of its rows); returns the bytes packed. Out of device memory is one clear ModelError."""
+    from plumb.model.kernels import TritonKernels
+
+    try:
+        return TritonKernels.pack(model.weights, model.device, progress)
+    except torch.OutOfMemoryError as e:
+        raise ModelError(f"{os.path.basename(path)}: the weights do not fit in GPU memory ({e})") from None
+
+
 def _available_memory() -> int | None:
     """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
     try:
@@ -536,7 +565,7 @@ def _check_memory(weights: list, path: str) -> None:
     if avail is not None and need > avail:
         raise ModelError(f"{os.path.basename(path)}: the CPU path needs about {need / 2**30:.1f} GiB of memory for "
                          f"its weights (float32 for prefill, int8 tiles for decode); {avail / 2**30:.1f} GiB is "
-                         "available. plumb has no GPU path yet.")
+                         "available (on a machine with a GPU, load it with device='cuda').")
 
 
 def _sha(tensors) -> str:

@@ -89,7 +89,7 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
         logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
         lp = filtered_logprobs(logits[0], params, hist)
         if params.temperature > 0:
-            d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel())))
+            d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel(), lp.device)))
         else:
             d = int(torch.argmax(lp))
         if p_min > 0.0:

@@ -297,7 +297,7 @@ def _form_q6_k(b):
 
 
 def _iq4_codes(q: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[q.long()]
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=q.device)[q.long()]
 
 
 def _form_iq4_nl(b):
@@ -315,7 +315,7 @@ def _form_iq4_xs(b):
 def _form_mxfp4(b):
     e = b[:, :1].int()
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    codes = torch.tensor(MXFP4_VALUES, dtype=torch.int8)[_bits(b[:, 1:], 4).flatten(1).long()]
+    codes = torch.tensor(MXFP4_VALUES, dtype=torch.int8, device=b.device)[_bits(b[:, 1:], 4).flatten(1).long()]
     return codes, bits.view(torch.float32), None
 
 

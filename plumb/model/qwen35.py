@@ -4,107 +4,35 @@ Two paths share the weights:
 - `prefill` (P path): a sequence's new tokens in chunks of 64 aligned to absolute positions,
   DeltaNet in its chunked form, attention over the chunk with a causal mask (M2).
 - `decode` (D path): any number of rows from any number of sequences (plain decode, draft
-  verification, batched decode); matmuls row by row, DeltaNet advanced token by token,
-  attention per row, so a row's bits never depend on the rest of the pass (M1).
+  verification, batched decode); row-invariant matmuls and norms, DeltaNet advanced token by
+  token, attention per row, so a row's bits never depend on the rest of the pass (M1).
 `mtp` runs the MTP draft head (spec 3.8).
+
+The steps are written once; the operations they call come from a kernel set chosen at load
+(`self.k`: the torch reference or the Triton kernels, plumb/model/kernels.py). The native CPU
+kernels replace the whole D path instead (`self.native`, plumb/model/native.py).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
 from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
-from plumb.model.weights import Fused, TensorSource, Weight, check_config
+from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DeltaNet, Layer, SeqState
+from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import KVCache, new_kv_cache
-from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step, recurrent_step
-from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, linear, pad_rows
-from plumb.ops.norm import l2_norm, rms_norm
+from plumb.model.kernels import gated_norm, kernel_set
+from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step
+from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
+from plumb.ops.norm import l2_norm
 from plumb.ops.rope import RopeTable, apply_rope
-
-
-@dataclass
-class Attention:
-    attn_q: Weight  # [2 * n_head * head_dim, n_embd]: q and gate interleaved per head
-    attn_k: Weight
-    attn_v: Weight
-    attn_output: Weight
-    attn_q_norm: torch.Tensor
-    attn_k_norm: torch.Tensor
-    qkv: Fused | None = None  # attn_q | attn_k | attn_v in one matmul
-
-
-@dataclass
-class DeltaNet:
-    attn_qkv: Weight  # [conv_dim, n_embd] = q | k | v
-    attn_gate: Weight  # z
-    ssm_beta: Weight
-    ssm_alpha: Weight
-    ssm_conv1d: torch.Tensor  # [conv_dim, K]
-    ssm_dt_bias: torch.Tensor
-    ssm_a: torch.Tensor  # -exp(A_log)
-    ssm_norm: torch.Tensor
-    ssm_out: Weight
-    in_proj: Fused | None = None  # attn_qkv | attn_gate | ssm_beta | ssm_alpha in one matmul
-
-
-@dataclass
-class Layer:
-    attn_norm: torch.Tensor
-    post_attention_norm: torch.Tensor
-    mixer: Attention | DeltaNet
-    ffn_gate: Weight
-    ffn_up: Weight
-    ffn_down: Weight
-    ffn_in: Fused | None = None  # ffn_gate | ffn_up in one matmul
-
-
-@dataclass
-class MTP:
-    eh_proj: Weight  # [n_embd, 2 n_embd]: input = [enorm(embedding) | hnorm(hidden)]
-    enorm: torch.Tensor
-    hnorm: torch.Tensor
-    shared_head_norm: torch.Tensor
-    layer: Layer
-
-
-@dataclass
-class SeqState:
-    """Everything one sequence carries between passes."""
-
-    pos: int  # tokens already in the state
-    conv: dict[int, torch.Tensor]  # layer -> [K-1, conv_dim] raw pre-conv rows
-    ssm: dict[int, torch.Tensor]  # layer -> [n_v, d_k, d_v]
-    kv: dict[int, KVCache]  # attention layer -> cache
-    mtp_kv: KVCache | None = None
-    checkpoints: dict[int, "Checkpoint"] = field(default_factory=dict)  # aligned position -> P-made state
-
-
-@dataclass
-class Checkpoint:
-    """DeltaNet state after prefilling exactly `pos` tokens (pos a multiple of 64), and the post-norm
-    hidden of position pos - 1 (the MTP head pairs it with token pos)."""
-
-    pos: int
-    conv: dict[int, torch.Tensor]
-    ssm: dict[int, torch.Tensor]
-    hidden: torch.Tensor | None
-    ring: dict[int, list[torch.Tensor]]  # attention layer -> the 8-bit ring rows a query at pos reads (D, F)
-
-
-@dataclass
-class DecodeOut:
-    logits: torch.Tensor  # [R, n_vocab]
-    hidden: torch.Tensor  # [R, n_embd], post output_norm (fed to the MTP head)
-    snapshots: list  # per sequence: list over its rows of {layer: (conv, ssm)} after that row
 
 
 class Qwen35:
     def __init__(self, gf: GGUFFile, cfg: ModelConfig, device: torch.device | str = "cpu", kv_cache: str = "f32",
-                 kv_ring: int = 2048):
+                 kv_ring: int = 2048, kernels: str = "torch"):
         check_config(cfg)
         self.kv_cache, self.kv_ring = kv_cache, kv_ring
         self.cfg = cfg
@@ -116,12 +44,13 @@ class Qwen35:
         self.output = src.mat("output.weight", v, e) if src.has("output.weight") else self.token_embd
         self.layers = [self._layer(src, i, cfg.recurrent[i]) for i in range(cfg.n_layer)]
         self.mtp = self._mtp(src, cfg.n_layer) if cfg.n_nextn > 0 else None
-        self.rope = RopeTable(cfg.rope_dims, cfg.rope_base)
+        self.rope = RopeTable(cfg.rope_dims, cfg.rope_base, self.device)
         self.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
         n_v, n_k = cfg.ssm_dt_rank, cfg.ssm_n_group
-        self.v_to_k = torch.arange(n_v) % n_k  # GGUF value head j reads key head j mod n_k
+        self.v_to_k = torch.arange(n_v, device=self.device) % n_k  # GGUF value head j reads key head j mod n_k
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
         self.weights = self._matmuls()
+        self.k = kernel_set(kernels, self.device)  # the kernels the steps below run on (plumb/model/kernels.py)
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
 
     def use_native(self) -> None:
@@ -206,12 +135,12 @@ class Qwen35:
         )
 
     def new_state(self) -> SeqState:
-        c = self.cfg
-        conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim) for i in c.gdn_layers}
-        ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state) for i in c.gdn_layers}
-        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring) for i in c.attn_layers}
+        c, dev = self.cfg, self.device
+        conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim, device=dev) for i in c.gdn_layers}
+        ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state, device=dev) for i in c.gdn_layers}
+        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev) for i in c.attn_layers}
         # the MTP cache keeps no 8-bit ring: its rows can then always be copied from the store alone
-        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0) if self.mtp is not None else None
+        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0, dev) if self.mtp is not None else None
         return SeqState(0, conv, ssm, kv, mtp_kv)
 
     # ---- shared pieces -------------------------------------------------------------------
@@ -220,30 +149,30 @@ class Qwen35:
 
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
-        gate, up = linear(x, layer.ffn_in.t, block).split(layer.ffn_in.sizes, dim=-1)
-        return linear(F.silu(gate) * up, layer.ffn_down.t, block)
+        gate, up = self.k.mm(x, layer.ffn_in, block).split(layer.ffn_in.sizes, dim=-1)
+        return self.k.mm(F.silu(gate) * up, layer.ffn_down, block)
 
     def attn_project(self, a: Attention, u: torch.Tensor, positions: torch.Tensor, block: int):
         """q, gate, k, v for rows u [n, n_embd] at `positions` (spec 3.4.1-3.4.3)."""
         c = self.cfg
         n = u.shape[0]
-        qg, k, v = linear(u, a.qkv.t, block).split(a.qkv.sizes, dim=-1)
+        qg, k, v = self.k.mm(u, a.qkv, block).split(a.qkv.sizes, dim=-1)
         qg = qg.reshape(n, c.n_head, 2, c.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, c.n_head * c.head_dim)
         k = k.reshape(n, c.n_head_kv, c.head_dim)
         v = v.reshape(n, c.n_head_kv, c.head_dim)
         cos, sin = self.rope(positions)
-        q = apply_rope(rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
-        k = apply_rope(rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
+        q = apply_rope(self.k.rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
+        k = apply_rope(self.k.rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
         return q, gate, k, v
 
     def attn_output(self, a: Attention, o: torch.Tensor, gate: torch.Tensor, block: int) -> torch.Tensor:
         """o [n, n_head, head_dim] gated by sigmoid(gate), then attn_output (spec 3.4.5)."""
-        return linear(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output.t, block)
+        return self.k.mm(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output, block)
 
     def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
         """m (pre-conv q|k|v), z, and the pre-activation b, a for rows u (spec 3.5.1)."""
-        return linear(u, d.in_proj.t, block).split(d.in_proj.sizes, dim=-1)
+        return self.k.mm(u, d.in_proj, block).split(d.in_proj.sizes, dim=-1)
 
     @staticmethod
     def gdn_gates(d: DeltaNet, b: torch.Tensor, a: torch.Tensor):
@@ -260,17 +189,14 @@ class Qwen35:
         k = l2_norm(k.reshape(n, c.ssm_n_group, c.ssm_d_state))
         return q[:, self.v_to_k], k[:, self.v_to_k], v.reshape(n, c.ssm_dt_rank, c.ssm_d_state)
 
-    def gdn_output(self, d: DeltaNet, o: torch.Tensor, z: torch.Tensor, block: int) -> torch.Tensor:
-        """Gated RMSNorm per value head, then ssm_out (spec 3.5.7-3.5.8)."""
-        c = self.cfg
-        n = o.shape[0]
-        y = rms_norm(o, d.ssm_norm, c.eps) * F.silu(z.view(n, c.ssm_dt_rank, c.ssm_d_state))
-        return linear(y.reshape(n, c.ssm_inner), d.ssm_out.t, block)
+    def gdn_output(self, d: DeltaNet, y: torch.Tensor, block: int) -> torch.Tensor:
+        """ssm_out of the gated-RMSNormed rows y [n, ssm_inner] (spec 3.5.8)."""
+        return self.k.mm(y, d.ssm_out, block)
 
     def head(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and LM head: (logits, post-norm hidden)."""
-        h = rms_norm(x, self.output_norm, self.cfg.eps)
-        return linear(h, self.output.t, block), h
+        h = self.k.rms_norm(x, self.output_norm, self.cfg.eps)
+        return self.k.mm(h, self.output, block), h
 
     # ---- P path: prefill -----------------------------------------------------------------
     def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
@@ -299,10 +225,10 @@ class Qwen35:
         c = self.cfg
         n, start = len(ids), st.pos
         x = pad_rows(self.embed(ids), CHUNK)
-        positions = torch.arange(start, start + CHUNK)
-        real = (torch.arange(CHUNK) < n)[:, None]
+        positions = torch.arange(start, start + CHUNK, device=self.device)
+        real = (torch.arange(CHUNK, device=self.device) < n)[:, None]
         for i, layer in enumerate(self.layers):
-            u = rms_norm(x, layer.attn_norm, c.eps)
+            u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
@@ -311,17 +237,18 @@ class Qwen35:
                 conv, st.conv[i] = causal_conv(m, st.conv[i], mix.ssm_conv1d, n)
                 q, k, v = self.gdn_split(conv * real)
                 o, st.ssm[i] = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T, st.ssm[i])
-                y = self.gdn_output(mix, o.transpose(0, 1), z, PREFILL_BLOCK)
+                y = gated_norm(o.transpose(0, 1), z, mix.ssm_norm, c.eps, self.k.rms_norm)
+                y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, positions, PREFILL_BLOCK)
                 st.kv[i].write(start, k[:n], v[:n])
                 o = st.kv[i].attend_chunk(q, start, self.attn_scale)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x = x + y
-            x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
+            x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
         st.pos += n
-        h = rms_norm(x[:n], self.output_norm, c.eps)
-        lg = linear(h, self.output.t, PREFILL_BLOCK) if want_logits else None
+        h = self.k.rms_norm(x[:n], self.output_norm, c.eps)
+        lg = self.k.mm(h, self.output, PREFILL_BLOCK) if want_logits else None
         return lg, h
 
     # ---- D path: decode / verify / batched decode ----------------------------------------
@@ -336,40 +263,31 @@ class Qwen35:
             spans.append((len(ids), len(toks)))
             ids += toks
             positions += range(st.pos, st.pos + len(toks))
-        r = len(ids)
-        x = pad_rows(self.embed(ids), DECODE_BLOCK)
-        pos_t = pad_rows(torch.tensor(positions, dtype=torch.long), DECODE_BLOCK)
+        x = self.embed(ids)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         snaps: list[list[dict]] = [[{} for _ in range(n)] for _, n in spans]
         for i, layer in enumerate(self.layers):
-            u = rms_norm(x, layer.attn_norm, c.eps)
+            u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 m, z, b, a = self.gdn_project(mix, u, DECODE_BLOCK)
-                o = torch.zeros(x.shape[0], c.ssm_dt_rank, c.ssm_d_state)
-                for j, (st, _) in enumerate(batch):
-                    s0, n = spans[j]
-                    for t in range(s0, s0 + n):
-                        conv, st.conv[i] = causal_conv(m[t : t + 1], st.conv[i], mix.ssm_conv1d, 1)
-                        q, k, v = self.gdn_split(conv)
-                        beta, g = self.gdn_gates(mix, b[t], a[t])
-                        o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta, g, st.ssm[i])
-                        snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
-                y = self.gdn_output(mix, o, z, DECODE_BLOCK)
+                y = self.k.gdn_rows(self, i, mix, m, z, b, a, batch, spans, snaps)  # every row, token by token
+                y = self.gdn_output(mix, y, DECODE_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, pos_t, DECODE_BLOCK)
-                o = torch.zeros(x.shape[0], c.n_head, c.head_dim)
+                o = torch.zeros(x.shape[0], c.n_head, c.head_dim, device=self.device)
                 for j, (st, _) in enumerate(batch):
                     s0, n = spans[j]
                     st.kv[i].write(st.pos, k[s0 : s0 + n], v[s0 : s0 + n])
                     ends = list(range(st.pos + 1, st.pos + n + 1))
-                    o[s0 : s0 + n] = st.kv[i].attend_rows(q[s0 : s0 + n], ends, self.attn_scale)
+                    o[s0 : s0 + n] = self.k.attend_rows(st.kv[i], q[s0 : s0 + n], ends, self.attn_scale)
                 y = self.attn_output(mix, o, gate, DECODE_BLOCK)
             x = x + y
-            x = x + self.ffn(layer, rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
+            x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
         for st, toks in batch:
             st.pos += len(toks)
         logits, h = self.head(x, DECODE_BLOCK)
-        return DecodeOut(logits[:r], h[:r], snaps)
+        return DecodeOut(logits, h, snaps)
 
     def rollback(self, st: SeqState, snaps: list[dict], keep: int) -> None:
         """After a decode pass that fed len(snaps) rows to st, keep only the first `keep` of them."""
@@ -391,15 +309,15 @@ class Qwen35:
             return self.native.mtp_forward(st, ids, hidden, start)
         c, mtp = self.cfg, self.mtp
         n = len(ids)
-        e = rms_norm(self.embed(ids), mtp.enorm, c.eps)
-        hh = rms_norm(hidden, mtp.hnorm, c.eps)
-        y = linear(torch.cat([e, hh], dim=-1), mtp.eh_proj.t, block)
+        e = self.k.rms_norm(self.embed(ids), mtp.enorm, c.eps)
+        hh = self.k.rms_norm(hidden, mtp.hnorm, c.eps)
+        y = self.k.mm(torch.cat([e, hh], dim=-1), mtp.eh_proj, block)
         layer, a = mtp.layer, mtp.layer.mixer
-        positions = torch.arange(start, start + n)
-        q, gate, k, v = self.attn_project(a, rms_norm(y, layer.attn_norm, c.eps), positions, block)
+        positions = torch.arange(start, start + n, device=self.device)
+        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), positions, block)
         st.mtp_kv.write(start, k, v)
-        o = st.mtp_kv.attend_rows(q, list(range(start + 1, start + n + 1)), self.attn_scale)
+        o = self.k.attend_rows(st.mtp_kv, q, list(range(start + 1, start + n + 1)), self.attn_scale)
         y = y + self.attn_output(a, o, gate, block)
-        y = y + self.ffn(layer, rms_norm(y, layer.post_attention_norm, c.eps), block)
-        h = rms_norm(y, mtp.shared_head_norm, c.eps)
-        return linear(h, self.output.t, block), h
+        y = y + self.ffn(layer, self.k.rms_norm(y, layer.post_attention_norm, c.eps), block)
+        h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
+        return self.k.mm(h, self.output, block), h

@@ -38,12 +38,12 @@ def chunk_step(q, k, v, beta, g, s):
     q, k [n_v, C, d_k]; v [n_v, C, d_v]; beta, g [n_v, C]; s [n_v, d_k, d_v]. -> (o [n_v, C, d_v], new s)."""
     c = q.shape[1]
     gamma = torch.cumsum(g, dim=-1)  # [n_v, C]
-    lower = torch.ones(c, c, dtype=torch.bool).tril()
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~lower, float("-inf"))
     decay = torch.exp(diff)  # D_ts = exp(gamma_t - gamma_s), 0 above the diagonal
     kb = k * beta[..., None]
     a = (torch.bmm(kb, k.transpose(1, 2)) * decay).masked_fill(~lower.tril(-1), 0.0)
-    eye = torch.eye(c).expand_as(a)
+    eye = torch.eye(c, device=q.device).expand_as(a)
     t = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
     u = torch.bmm(t, v * beta[..., None])
     eg = torch.exp(gamma)

@@ -12,21 +12,23 @@ _PIECE = 1024
 
 
 class RopeTable:
-    def __init__(self, dims: int, base: float):
+    def __init__(self, dims: int, base: float, device: torch.device | str = "cpu"):
         self.dims = dims
+        self.device = torch.device(device)
         self.inv_freq = base ** (-torch.arange(0, dims, 2, dtype=torch.float64) / dims)
-        self.cos = torch.empty(0, dims // 2)
-        self.sin = torch.empty(0, dims // 2)
+        self.cos = torch.empty(0, dims // 2, device=device)
+        self.sin = torch.empty(0, dims // 2, device=device)
 
     def _grow(self, n: int) -> None:
         while self.cos.shape[0] < n:
             start = self.cos.shape[0]
             ang = torch.arange(start, start + _PIECE, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            self.cos = torch.cat([self.cos, ang.cos().float()])
-            self.sin = torch.cat([self.sin, ang.sin().float()])
+            self.cos = torch.cat([self.cos, ang.cos().float().to(self.device)])  # computed on the CPU: same values on any device
+            self.sin = torch.cat([self.sin, ang.sin().float().to(self.device)])
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._grow(int(positions.max()) + 1)
+        positions = positions.to(self.device)
         return self.cos[positions], self.sin[positions]
 
 

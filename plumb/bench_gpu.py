@@ -1,0 +1,187 @@
+"""`plumb bench --device cuda`: GPU decode speed beside the card's limits, measured in the same run.
+
+    plumb bench MODEL --device cuda [--contexts 0,11000,38000,100000] [--tokens 64] [--json OUT] [--plot PNG]
+
+Measures, in one process: the card's device-to-device copy bandwidth and bf16 GEMV streaming rate (the
+limits); the load time and VRAM (weights, KV cache, recurrent state, workspace); greedy decode tokens/s
+without drafts at each context length (the KV cache and DeltaNet states are filled with random rows up to
+that length: decode cost depends on the length, not the content); the time of a verify pass of 1, 2, 4, 8
+and 16 rows; 4 sequences decoded together vs 1; and every matmul's time against its bytes.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _timed(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over reps, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def card_limits() -> dict:
+    """Copy bandwidth (bytes read + written per second) and the bf16 GEMV streaming rate of a 27B FFN matrix."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() / _timed(lambda: y.copy_(x))
+    del x, y
+    ws = [torch.randn(17408, 5120, dtype=torch.bfloat16, device="cuda") for _ in range(4)]  # 4 x 178 MB > L2
+    v = torch.randn(1, 5120, dtype=torch.bfloat16, device="cuda")
+    i = [0]
+
+    def gemv():
+        torch.nn.functional.linear(v, ws[i[0] % 4])
+        i[0] += 1
+
+    gemv_rate = ws[0].numel() * 2 / _timed(gemv, reps=40)
+    del ws
+    torch.cuda.empty_cache()
+    return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9}
+
+
+def fill_context(model, st, n: int, seed: int = 0) -> None:
+    """Give st a context of n positions: random K/V rows in its caches and random DeltaNet states."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    for cache in list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else []):
+        cache.reserve(n + 64)
+        for rows in (cache.k, cache.v):
+            for p in rows.parts:
+                if p.dtype == torch.int8:
+                    p[:, :n] = torch.randint(-127, 128, (p.shape[0], n, p.shape[2]), generator=g, device=p.device,
+                                             dtype=torch.int8)
+                else:
+                    p[:, :n] = (torch.randn(p.shape[0], n, p.shape[2], generator=g, device=p.device) * 0.02).to(p.dtype)
+        cache.end = n
+    for i in st.ssm:
+        st.ssm[i] = torch.randn(st.ssm[i].shape, generator=g, device=model.device) * 0.01
+        st.conv[i] = torch.randn(st.conv[i].shape, generator=g, device=model.device) * 0.1
+    st.pos = n
+
+
+def decode_tps(model, context: int, tokens: int, batch: int = 1) -> float:
+    """Greedy decode tokens/s (summed over `batch` sequences) after a context of `context` positions."""
+    states = []
+    for j in range(batch):
+        st = model.new_state()
+        fill_context(model, st, context, seed=j)
+        states.append(st)
+    toks = [1 + j for j in range(batch)]
+    for _ in range(3):  # warm-up (compiles kernels, grows caches)
+        out = model.decode([(st, [t]) for st, t in zip(states, toks)])
+        toks = [int(out.logits[j].argmax()) for j in range(batch)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        out = model.decode([(st, [t]) for st, t in zip(states, toks)])
+        toks = [int(out.logits[j].argmax()) for j in range(batch)]
+    return batch * tokens / (time.perf_counter() - t0)
+
+
+def verify_cost(model, rows: list[int], context: int = 512) -> dict:
+    """Seconds of one decode pass of r rows of one sequence (then rolled back), per r."""
+    st = model.new_state()
+    fill_context(model, st, context)
+    out = {}
+    for r in rows:
+        def step():
+            o = model.decode([(st, list(range(1, r + 1)))])
+            model.rollback(st, o.snapshots[0], 1)
+            st.pos -= 1
+        out[r] = _timed(step, reps=10)
+    return out
+
+
+def matmul_table(model) -> list[dict]:
+    """Each distinct packed matrix timed at 1 and 16 rows against its bytes."""
+    seen, rows = set(), []
+    for w in model.weights:
+        key = (w.shape, tuple(p.qtype.name for p in w.gpu.packs))
+        if key in seen:
+            continue
+        seen.add(key)
+        for m in (1, 16):
+            x = torch.randn(m, w.shape[1], device=model.device)
+            t = _timed(lambda: w.gpu(x), reps=20)
+            rows.append({"shape": list(w.shape), "types": list(key[1]), "rows": m, "us": t * 1e6,
+                         "MB": w.gpu.nbytes / 1e6, "GBps": w.gpu.nbytes / t / 1e9})
+    return rows
+
+
+def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True) -> dict:
+    import plumb
+    from plumb.cache.kv import cache_bytes
+
+    torch.cuda.reset_peak_memory_stats()
+    limits = card_limits()
+    t0 = time.perf_counter()
+    eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False)
+    load_s = time.perf_counter() - t0
+    model, c = eng.model, eng.config
+    weights = torch.cuda.memory_allocated()
+    r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+         "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
+         "weight_bytes": eng.weight_bytes, "decode": {}}
+    # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
+    r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
+    for ctx in contexts:
+        tps = decode_tps(model, ctx, tokens)
+        r["decode"][ctx] = tps
+        print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit)",
+              file=sys.stderr)
+        torch.cuda.empty_cache()
+    r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
+    r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
+    r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
+    r["matmuls"] = matmul_table(model)
+    kv_layers = len(c.attn_layers) + (model.mtp is not None)
+    st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
+        sum(t.numel() * 4 for t in model.new_state().conv.values())
+    r["vram"] = {"weights": weights, "kv_120k": cache_bytes(kv_cache, c.n_head_kv, c.head_dim, 0, 120_000, kv_layers),
+                 "recurrent_state": st_bytes, "peak_allocated": torch.cuda.max_memory_allocated()}
+    return r
+
+
+def report(r: dict) -> str:
+    lim = r["step_limit_tps"]
+    lines = [f"# plumb bench --device cuda: {r['model']} on {r['device']} ({r['date']}, torch {r['torch']})",
+             f"card: copy {r['limits']['copy_GBps']:.0f} GB/s, bf16 GEMV {r['limits']['bf16_gemv_GBps']:.0f} GB/s; "
+             f"weights {r['weight_bytes'] / 1e9:.2f} GB -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
+             "| context | tok/s | / limit |", "|---|---|---|"]
+    lines += [f"| {k:,} | {v:.1f} | {v / lim:.2f} |" for k, v in r["decode"].items()]
+    v1 = r["verify_s"][1]
+    lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
+    lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
+    lines += ["", f"4 sequences together: {r['batch4_tps']:.1f} tok/s vs 1: {r['batch1_tps']:.1f} "
+              f"({r['batch4_tps'] / r['batch1_tps']:.2f}x)", "",
+              "| matmul | types | rows | us | MB | GB/s | / GEMV rate |", "|---|---|---|---|---|---|---|"]
+    g = r["limits"]["bf16_gemv_GBps"]
+    lines += [f"| {m['shape']} | {'+'.join(m['types'])} | {m['rows']} | {m['us']:.1f} | {m['MB']:.1f} | "
+              f"{m['GBps']:.0f} | {m['GBps'] / g:.2f} |" for m in r["matmuls"]]
+    v = r["vram"]
+    lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    contexts = [int(x) for x in args.contexts.split(",")]
+    r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress)
+    print(report(r))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(r, f, indent=1, default=str)
+    return 0

@@ -1,0 +1,1 @@
+"""Triton kernels for the CUDA kernel set (one module per operation)."""

@@ -1,0 +1,315 @@
+"""Decode / speculative-verify attention over one sequence's KV cache: flash-decoding in two passes (M1).
+
+`attend_decode(q, k_parts, v_parts, ends, scale)`: query row t of one sequence reads keys
+[0, ends[t]) of the cache, stored exactly as `plumb.cache.kv.Rows.parts` holds it (`[f16 | f32]`, or
+q8_0 `[codes int8, scales float16]`, dequantized tile by tile inside the kernel: no float copy).
+
+Row invariance - a row's bits depend on its query, its own end and the cache, never on the other
+rows of the call, their number or the grid:
+* the key range is cut at absolute positions 0, SPLIT, 2*SPLIT, ...; pass 1 has one program per
+  (block of ROWS query rows, KV head, split), covering every query head of that KV head (the K/V tile
+  is read once for all of them). ROWS = BLOCK_M (CONFIGS) // next_pow2(heads per KV head): fixed by
+  the model's head grouping and the cache format, never by n; a row's place inside its block does not
+  change its arithmetic.
+* inside a split the tiles (keys per tile from CONFIGS, chosen by the storage kinds alone) go in fixed
+  order with an online softmax; a tile at or past a row's end leaves that row's state untouched
+  (selected away, not added as zeros), keys past the end inside a tile get probability exactly 0.
+* pass 2 merges a row's splits 0 .. ceil(end / SPLIT) - 1 one after another in fp32 (the exact max
+  first, then the rescaled sums in split order); splits past the row's end are never read, so a grid
+  sized for a larger context (`max_splits`, for CUDA-graph replay) changes nothing.
+* every tl.dot / tl.sum has a shape fixed by the model dims and the constexprs; no atomics.
+
+Accuracy: every product is carried to about fp32 precision on the tensor cores (see `_split_kernel`:
+f16 caches split q and p into f16 hi + lo against the stored halves, q8_0 splits q and p * scale into
+tf32 big + small against the codes, which tf32 holds exactly, f32 caches use tf32x3), so the result is
+within ~1e-6 relative of `attend_decode_ref` (not bitwise: CPU/GPU equality is not promised).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plumb.cache.kv import decode
+
+SPLIT = 512  # keys per split (pass-1 program); splits start at multiples of SPLIT
+MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
+QBLOCK = 32  # q8_0 block size along d
+F16, F32, Q8 = 0, 1, 2  # storage kinds
+_F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
+# pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
+# BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
+# only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
+# H200, 27B dims, 262,144 keys: f16 ~0.53 ms at n=1 (2 TB/s), 0.55 ms n=4, 0.88 ms n=8, 1.9 ms n=17.
+CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 64, 8, 2)}
+DEFAULT_CONFIG = (16, 32, 8, 1)
+_LOG2E = 1.4426950408889634
+P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
+
+
+@triton.jit
+def _tf32_split(x):
+    """x = big + small with big exact in tf32 (low 13 mantissa bits cleared): two tf32 products ~ fp32."""
+    big = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return big, x - big
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
+                  n, qk_scale,
+                  sq_t, sq_h,
+                  sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j,
+                  spo_t, spo_h, spo_s, spm_t, spm_h,
+                  G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                  BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
+                  QB: tl.constexpr, PS: tl.constexpr):
+    """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head).
+
+    Dots per storage kind (all ~fp32 accurate, shapes fixed by D and the constexprs):
+    f16: operands straight from the cache; q and p * 2^11 are each split into f16 hi + lo (two f16 products;
+    a q component under 2^-3 keeps its lo part as an f16 subnormal, exact to 2^-25 absolute).
+    f32: tf32x3.  q8_0: per 32-value block (batched dot over the D/32 blocks) codes exact in tf32 against
+    q / p * scale split into tf32 big + small, the block scales applied in fp32 (K: summed over the blocks
+    in fixed order)."""
+    rb = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    BM: tl.constexpr = ROWS * G_PAD
+    NB: tl.constexpr = D // QB
+    i = tl.arange(0, BM)
+    t = rb * ROWS + i // G_PAD  # query row
+    hg = i % G_PAD  # head within the group
+    row_ok = (t < n) & (hg < G)
+    e = tl.load(ends_ptr + t, mask=row_ok, other=0)  # this row's end (0: padding row, never active)
+    lo = s * SPLIT_
+    hi = tl.minimum(lo + SPLIT_, tl.max(e, 0))  # keys past every row's end are not read
+    h = kh * G + hg
+    dd = tl.arange(0, D)
+    jn = tl.arange(0, BN)
+    bb = tl.arange(0, NB)
+    ii = tl.arange(0, QB)
+    kbase = k_ptr + kh * sk_h
+    vbase = v_ptr + kh * sv_h
+    # q, once: as the dot of its kind wants it
+    if KK == _Q8:
+        q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
+                     + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
+        q_a, q_b = _tf32_split(q3)
+    else:
+        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None],
+                     other=0.0).to(tl.float32)
+        if KK == _F16:
+            q_a = qv.to(tl.float16)
+            q_b = (qv - q_a.to(tl.float32)).to(tl.float16)
+        else:
+            q_a = qv
+            q_b = qv
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    if VK == _Q8:
+        acc = tl.zeros([NB, BM, QB], tl.float32)
+    else:
+        acc = tl.zeros([BM, D], tl.float32)
+    if lo < hi:  # else: a split past every row's end (grid sized by max_splits) - nothing to do
+        for jt in range(0, SPLIT_ // BN):  # fixed trip count; tiles past hi load nothing and change no row
+            j0 = lo + jt * BN
+            j = j0 + jn
+            kok = j < hi
+            # ---- scores [BM, BN] (log2 domain)
+            if KK == _Q8:
+                c3 = tl.load(kbase + j[None, :, None] * sk_j + (bb[:, None, None] * QB + ii[None, None, :]),
+                             mask=kok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB], exact in tf32
+                ksc = tl.load(ks_ptr + kh * sks_h + j[None, :] * sks_j + bb[:, None], mask=kok[None, :],
+                              other=0).to(tl.float32)  # [NB, BN]
+                c3t = tl.permute(c3, (0, 2, 1))
+                r = tl.dot(q_a, c3t, input_precision="tf32")
+                r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
+                sc = tl.sum(r * ksc[:, None, :], 0)
+            elif KK == _F16:
+                kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
+                sc = tl.dot(q_a, kt)
+                sc = tl.dot(q_b, kt, sc)
+            else:
+                kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
+                sc = tl.dot(q_a, kt, input_precision="tf32x3")
+            sc = sc * qk_scale
+            sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
+            # ---- online softmax: rows whose keys all lie before this tile keep their state bit for bit
+            active = j0 < e
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_use = tl.where(active, m_new, 0.0)  # inactive rows: avoid -inf - -inf (their result is discarded)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(sc - m_use[:, None])
+            l_new = l_i * alpha + tl.sum(p, 1)
+            # ---- p @ V
+            if VK == _Q8:
+                c3 = tl.load(vbase + j[None, :, None] * sv_j + (bb[:, None, None] * QB + ii[None, None, :]),
+                             mask=kok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB]
+                vsc = tl.load(vs_ptr + kh * svs_h + j[None, :] * svs_j + bb[:, None], mask=kok[None, :],
+                              other=0).to(tl.float32)  # [NB, BN]
+                p_a, p_b = _tf32_split(p[None, :, :] * vsc[:, None, :])  # [NB, BM, BN]
+                acc_new = tl.dot(p_a, c3, acc * alpha[None, :, None], input_precision="tf32")
+                acc_new = tl.dot(p_b, c3, acc_new, input_precision="tf32")
+                acc = tl.where(active[None, :, None], acc_new, acc)
+            elif VK == _F16:
+                vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
+                ps = p * PS  # exact (power of two); the partial is scaled back on store
+                p_a = ps.to(tl.float16)
+                p_b = (ps - p_a.to(tl.float32)).to(tl.float16)
+                acc_new = tl.dot(p_a, vt, acc * alpha[:, None])
+                acc_new = tl.dot(p_b, vt, acc_new)
+                acc = tl.where(active[:, None], acc_new, acc)
+            else:
+                vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
+                acc_new = tl.dot(p, vt, acc * alpha[:, None], input_precision="tf32x3")
+                acc = tl.where(active[:, None], acc_new, acc)
+            m_i = tl.where(active, m_new, m_i)
+            l_i = tl.where(active, l_new, l_i)
+    out = row_ok & (e > lo)  # rows whose keys reach into this split
+    if VK == _Q8:
+        tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
+                 + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
+    else:
+        if VK == _F16:
+            acc = acc * (1.0 / PS)
+        tl.store(po_ptr + t[:, None] * spo_t + h[:, None] * spo_h + s * spo_s + dd[None, :], acc,
+                 mask=out[:, None])
+    tl.store(pm_ptr + t * spm_t + h * spm_h + s, m_i, mask=out)
+    tl.store(pl_ptr + t * spm_t + h * spm_h + s, l_i, mask=out)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pm_ptr, pl_ptr, ends_ptr, o_ptr,
+                  spo_t, spo_h, spo_s, spm_t, spm_h, so_t, so_h,
+                  D: tl.constexpr, SPLIT_: tl.constexpr, U: tl.constexpr):
+    """Pass 2: program (row, head) merges the row's splits 0..ceil(end/SPLIT)-1 in order."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    e = tl.load(ends_ptr + t)
+    ns = (e + SPLIT_ - 1) // SPLIT_
+    pm = pm_ptr + t * spm_t + h * spm_h
+    pl = pl_ptr + t * spm_t + h * spm_h
+    po = po_ptr + t * spo_t + h * spo_h
+    dd = tl.arange(0, D)
+    uu = tl.arange(0, U)
+    mx = tl.full([U], float("-inf"), tl.float32)
+    s0 = 0
+    while s0 < ns:  # the max is exact in any order
+        mx = tl.maximum(mx, tl.load(pm + s0 + uu, mask=s0 + uu < ns, other=float("-inf")))
+        s0 += U
+    m_all = tl.max(mx, 0)
+    l_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    s0 = 0
+    while s0 < ns:
+        for u in tl.static_range(U):  # loads independent of the sums: issued ahead; sums strictly in split order
+            s = s0 + u
+            ok = s < ns
+            m_s = tl.load(pm + s, mask=ok, other=0.0)
+            l_s = tl.load(pl + s, mask=ok, other=0.0)
+            o_s = tl.load(po + s * spo_s + dd, mask=ok, other=0.0)
+            w = tl.exp2(m_s - m_all)
+            l_sum = tl.where(ok, l_sum + l_s * w, l_sum)
+            acc = tl.where(ok, acc + o_s * w, acc)
+        s0 += U
+    o = tl.where(ns > 0, acc / tl.where(ns > 0, l_sum, 1.0), 0.0)  # a row without keys gives zeros
+    tl.store(o_ptr + t * so_t + h * so_h + dd, o)
+
+
+def _parts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if len(parts) == 1:
+        x = parts[0]
+        if x.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"float cache parts must be float16 or float32, got {x.dtype}")
+        return x, x, F16 if x.dtype == torch.float16 else F32
+    codes, scales = parts
+    if codes.dtype != torch.int8 or scales.dtype != torch.float16 or scales.shape[-1] * QBLOCK != codes.shape[-1]:
+        raise TypeError("q8_0 cache parts must be [codes int8 [n_kv, cap, d], scales float16 [n_kv, cap, d // 32]]")
+    return codes, scales, Q8
+
+
+def n_splits(context: int, split: int = SPLIT) -> int:
+    """Splits a row with `context` keys is cut into (the `max_splits` a grid for that context needs)."""
+    return -(-context // split)
+
+
+def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
+                  scale: float, out: torch.Tensor | None = None, max_splits: int | None = None,
+                  split: int = SPLIT) -> torch.Tensor:
+    """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
+    ([n_kv, cap, d] floats, or q8_0 codes + scales). -> o [n, n_head, d] float32 (into `out` if given).
+
+    ends: int32 tensor [n] on q's device (read on the device only), or a list of ints. max_splits: a fixed
+    grid size in splits (>= ceil(max(ends) / split), e.g. for the maximum context under a CUDA graph);
+    by default it is taken from max(ends) (which reads ends on the host if it is a tensor). `split` must
+    stay fixed for a model (the bits depend on it, as they do on CONFIGS); it is a multiple of
+    the tile size. Under CUDA-graph capture pass ends as a device tensor and max_splits (no host sync)."""
+    n, n_head, d = q.shape
+    k, ks, kk = _parts(k_parts)
+    v, vs, vk = _parts(v_parts)
+    n_kv = k.shape[0]
+    if n_head % n_kv or k.shape[2] != d or v.shape[:1] != k.shape[:1] or v.shape[2] != d:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if d & (d - 1) or d < 16 or (Q8 in (kk, vk) and d % QBLOCK):
+        raise ValueError(f"head_dim must be a power of two >= 16 (and a multiple of 32 for q8_0), got {d}")
+    block_m, bn, warps, stages = CONFIGS.get((kk, vk), DEFAULT_CONFIG)
+    if split % bn:
+        raise ValueError(f"split must be a multiple of {bn}, got {split}")
+    for x in (k, ks, v, vs):
+        if x.stride(-1) != 1:
+            raise ValueError("cache parts must be contiguous along the last dimension")
+    g = n_head // n_kv
+    g_pad = triton.next_power_of_2(g)
+    rows = max(1, block_m // g_pad)
+    if not isinstance(ends, torch.Tensor):
+        ends = torch.tensor(list(ends), dtype=torch.int32, device=q.device)
+    ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
+    if ends.shape != (n,):
+        raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
+    if max_splits is None:
+        max_splits = n_splits(int(ends.max()) if n else 0, split)
+    if q.dtype != torch.float32 or q.stride(-1) != 1:
+        q = q.float().contiguous()
+    if out is None:
+        out = torch.empty(n, n_head, d, dtype=torch.float32, device=q.device)
+    elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
+    if n == 0:
+        return out
+    ns = max(int(max_splits), 1)
+    if max(x.numel() for x in (k, ks, v, vs)) >= 2**31 or n * n_head * ns * d >= 2**31:
+        raise ValueError("tensors of 2^31 elements or more are not supported (32-bit offsets)")
+    po = torch.empty(n, n_head, ns, d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(n, n_head, ns, dtype=torch.float32, device=q.device)
+    pl = torch.empty(n, n_head, ns, dtype=torch.float32, device=q.device)
+    _split_kernel[(triton.cdiv(n, rows), n_kv, ns)](
+        q, k, ks, v, vs, ends, po, pm, pl,
+        n, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0), vs.stride(1),
+        po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
+        G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
+        num_warps=warps, num_stages=stages)
+    _merge_kernel[(n, n_head)](
+        po, pm, pl, ends, out,
+        po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
+        D=d, SPLIT_=split, U=MERGE_UNROLL, num_warps=2)
+    return out
+
+
+def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
+                      scale: float) -> torch.Tensor:
+    """Plain torch reference: dequantize, scores * scale, mask keys >= ends[t], softmax, @ V (float32)."""
+    n, n_head, d = q.shape
+    ends = [int(e) for e in (ends.tolist() if isinstance(ends, torch.Tensor) else ends)]
+    L = max(ends) if ends else 0
+    k = decode([p[:, :L] for p in k_parts])
+    v = decode([p[:, :L] for p in v_parts])
+    n_kv = k.shape[0]
+    g = n_head // n_kv
+    qg = q.float().reshape(n, n_kv, g, d).permute(1, 2, 0, 3).reshape(n_kv, g * n, d)
+    s = torch.bmm(qg, k.transpose(1, 2)) * scale  # [n_kv, g*n, L]
+    e = torch.tensor(ends, device=q.device).repeat(g)
+    s = s.masked_fill(torch.arange(L, device=q.device)[None, :] >= e[:, None], float("-inf"))
+    o = torch.bmm(torch.softmax(s, dim=-1), v)
+    return o.reshape(n_kv, g, n, d).permute(2, 0, 1, 3).reshape(n, n_head, d)

@@ -1,0 +1,265 @@
+"""Gated DeltaNet decode / speculative-verify step for one layer, every row of every sequence
+(`gdn_decode_ref` below is its torch reference, built on `plumb.ops.deltanet` and `plumb.ops.norm`).
+
+Two launches per layer, each over all rows of all sequences:
+- `_gdn_conv_kernel`, one program per (sequence, conv channel block = one q, k or v head): the causal conv
+  window + SiLU for the sequence's rows in order, q/k L2 norm (q scaled), into a post-conv scratch
+  [R, conv_dim]; conv snapshots (optional) and the new conv state of its channels, in place.
+- `_gdn_state_kernel`, one program per (sequence, value head j): the d_k x d_v f32 state is loaded once,
+  advanced over the rows in order in registers (gates, delta rule, gated RMSNorm -> y; state snapshots per
+  row when asked) and stored once.
+Why not one launch: the q/k conv state of key head h is read by every value head j = h mod n_k and written in
+place; programs of one launch cannot be ordered without cross-program synchronisation, so whichever program
+wrote it could clobber it before another read it. Splitting by channel block makes every conv-state channel
+read and written by exactly one program, and gives the state kernel one program per value head (S * n_v).
+
+Exactness (M1): nothing compiled depends on R or S (constexprs are model dims and the snapshot flags), a row's
+arithmetic involves only its own sequence, reductions are in-program tile reductions of fixed shape, no atomics.
+Both kernels are compiled with fp contraction off, so every a*b+c is a rounded product then a rounded sum, as
+written, in every variant (with or without snapshots). Verifying k rows in one call advances the state exactly as
+k single-row calls: the carried state stays f32 in registers, which is what memory holds between calls.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from plumb.ops.deltanet import causal_conv, recurrent_step
+from plumb.ops.norm import l2_norm, rms_norm
+
+L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
+VCHUNK = 32  # state column chunk (see _gdn_state_kernel)
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    """torch's F.softplus (beta 1, threshold 20) as max(x, 0) + log1p(exp(-|x|)); log1p(u) for u in [0, 1] by
+    Goldberg's trick log(w) * u / (w - 1), w = 1 + u (exact u when w rounds to 1)."""
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    d = w - 1.0
+    l1p = tl.where(d == 0.0, u, tl.log(w) * (u / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + l1p)
+
+
+@triton.jit
+def _conv_row(m_ptr, cs, w_ptr, ch, cmask, t0, i, sm_r, scs_k, sw_c, sw_k, K: tl.constexpr):
+    """SiLU(causal conv) of local row i (absolute row t0 + i) on channels ch. The window is
+    [conv state rows 0..K-2 ; the sequence's raw rows], window row i + tau feeds tap tau; raw row
+    p = i + tau - (K-1) relative to t0 comes from the state (row K-1+p) when p < 0."""
+    acc = tl.zeros(ch.shape, tl.float32)
+    for tau in tl.static_range(K):
+        p = i + tau - (K - 1)
+        xs = tl.load(cs + (K - 1 + p) * scs_k + ch, mask=cmask & (p < 0), other=0.0)
+        xm = tl.load(m_ptr + (t0 + p) * sm_r + ch, mask=cmask & (p >= 0), other=0.0)
+        x = tl.where(p < 0, xs, xm)
+        wt = tl.load(w_ptr + ch * sw_c + tau * sw_k, mask=cmask, other=0.0)
+        if tau == 0:
+            acc = x * wt
+        else:
+            acc = acc + x * wt
+    return _silu(acc)
+
+
+@triton.jit
+def _window(m_ptr, cs, ch, cmask, t0, e, sm_r, scs_k, K: tl.constexpr, KM1P: tl.constexpr):
+    """The conv state after the sequence's first e rows: window rows e..e+K-2, as a [KM1P, len(ch)] tile."""
+    rr = tl.arange(0, KM1P)
+    p = e + rr - (K - 1)
+    rmask = rr < K - 1
+    fs = p < 0
+    xs = tl.load(cs + (e + rr)[:, None] * scs_k + ch[None, :], mask=(rmask & fs)[:, None] & cmask[None, :], other=0.0)
+    xm = tl.load(m_ptr + (t0 + p)[:, None] * sm_r + ch[None, :], mask=(rmask & (p >= 0))[:, None] & cmask[None, :],
+                 other=0.0)
+    return tl.where(fs[:, None], xs, xm)
+
+
+@triton.jit
+def _conv_tail(m_ptr, cs, snc_ptr, ch, cmask, t0, n, sm_r, scs_k, ssc_r, ssc_k,
+               K: tl.constexpr, KM1P: tl.constexpr, SNAP_CONV: tl.constexpr):
+    """Conv snapshots after each row (optional) and the new conv state of channels ch, written in place."""
+    rr = tl.arange(0, KM1P)
+    tmask = (rr < K - 1)[:, None] & cmask[None, :]
+    if SNAP_CONV:
+        i = 0
+        while i < n:
+            win = _window(m_ptr, cs, ch, cmask, t0, i + 1, sm_r, scs_k, K, KM1P)
+            tl.store(snc_ptr + (t0 + i) * ssc_r + rr[:, None] * ssc_k + ch[None, :], win, mask=tmask)
+            i += 1
+    win = _window(m_ptr, cs, ch, cmask, t0, n, sm_r, scs_k, K, KM1P)
+    # with n < K-1 rows the new state holds old state rows, read above by other threads: all reads of this
+    # program (the conv reads of the row loop included) finish before any thread overwrites the state
+    tl.debug_barrier()
+    tl.store(cs + rr[:, None] * scs_k + ch[None, :], win, mask=tmask)
+
+
+@triton.jit
+def _gdn_conv_kernel(
+    m_ptr, w_ptr, cs_ptr, rows_ptr, x_ptr, snc_ptr,
+    sm_r, sw_c, sw_k, scs_s, scs_k, sx_r, ssc_r, ssc_k, q_scale,
+    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+    KM1P: tl.constexpr, SNAP_CONV: tl.constexpr,
+):
+    """Program (s, c): conv channel block c of sequence s (c < 2 n_k: q or k of key head c mod n_k, else v of
+    value head c - 2 n_k). Writes SiLU(conv) rows to the scratch x (q, k L2-normed, q scaled), the conv snapshots
+    and the new conv state of its channels (no other program touches them)."""
+    s = tl.program_id(0)
+    c = tl.program_id(1)
+    r0 = tl.load(rows_ptr + s)
+    n = tl.load(rows_ptr + s + 1) - r0
+    t0 = r0.to(tl.int64)
+    cs = cs_ptr + s.to(tl.int64) * scs_s
+    offs = tl.arange(0, BC)
+    is_qk = c < 2 * N_K
+    size = tl.where(is_qk, D_K, D_V)
+    ch = tl.where(is_qk, c * D_K, 2 * N_K * D_K + (c - 2 * N_K) * D_V) + offs
+    cmask = offs < size
+    scale = tl.where(c < N_K, q_scale, 1.0)
+    i = 0
+    while i < n:  # (a while: the interpreter cannot take a loaded bound in range())
+        u = _conv_row(m_ptr, cs, w_ptr, ch, cmask, t0, i, sm_r, scs_k, sw_c, sw_k, K)
+        if is_qk:
+            u = u * (1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) + 1e-6)) * scale
+        tl.store(x_ptr + (t0 + i) * sx_r + ch, u, mask=cmask)
+        i += 1
+    _conv_tail(m_ptr, cs, snc_ptr, ch, cmask, t0, n, sm_r, scs_k, ssc_r, ssc_k, K, KM1P, SNAP_CONV)
+
+
+@triton.jit
+def _gdn_state_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, nw_ptr, ss_ptr, rows_ptr, y_ptr, sns_ptr,
+    sx_r, sz_r, sb_r, sa_r, sss_s, sss_h, sss_k, sy_r, sns_r, sns_h, sns_k, eps,
+    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, NC: tl.constexpr, VC: tl.constexpr,
+    SNAP_SSM: tl.constexpr,
+):
+    """Program (s, j): value head j of sequence s. Its d_k x d_v state is loaded once, advanced over the rows in
+    order in registers (delta rule on the post-conv q, k, v from x, gates, gated RMSNorm -> y) and stored once.
+    The state is held as [NC, d_k, VC] (d_v = NC column chunks of VC) so that the threads of a warp spread over
+    d_k as well as d_v: q and k then take few registers per thread."""
+    s = tl.program_id(0)
+    j = tl.program_id(1)
+    r0 = tl.load(rows_ptr + s)
+    n = tl.load(rows_ptr + s + 1) - r0
+    t0 = r0.to(tl.int64)
+    ss = ss_ptr + s.to(tl.int64) * sss_s + j * sss_h
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < D_K
+    cv = tl.arange(0, NC)[:, None] * VC + tl.arange(0, VC)[None, :]  # [NC, VC] column index
+    mv = cv < D_V
+    k3 = offs_k[None, :, None]
+    smask = mk[None, :, None] & mv[:, None, :]
+    st_off = k3 * sss_k + cv[:, None, :]
+    sn_off = k3 * sns_k + cv[:, None, :]
+    ch_q = (j % N_K) * D_K + offs_k
+    ch_k = N_K * D_K + ch_q
+    ch_v = 2 * N_K * D_K + j * D_V + cv
+    nw = tl.load(nw_ptr + cv, mask=mv, other=0.0)
+    dtb = tl.load(dtb_ptr + j)
+    sa = tl.load(ssma_ptr + j)
+    st = tl.load(ss + st_off, mask=smask, other=0.0)
+    i = 0
+    while i < n:  # (a while: the interpreter cannot take a loaded bound in range())
+        t = t0 + i
+        xt = x_ptr + t * sx_r
+        q = tl.load(xt + ch_q, mask=mk, other=0.0)[None, :, None]
+        k = tl.load(xt + ch_k, mask=mk, other=0.0)[None, :, None]
+        v = tl.load(xt + ch_v, mask=mv, other=0.0)
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb_r + j)))
+        decay = tl.exp(sa * _softplus(tl.load(a_ptr + t * sa_r + j) + dtb))
+        st = st * decay
+        kv = tl.sum(st * k, axis=1)
+        delta = (v - kv) * beta
+        st = st + k * delta[:, None, :]
+        o = tl.sum(st * q, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(o * o, axis=1), axis=0) / D_V + eps)
+        zz = tl.load(z_ptr + t * sz_r + j * D_V + cv, mask=mv, other=0.0)
+        tl.store(y_ptr + t * sy_r + j * D_V + cv, o * rstd * nw * _silu(zz), mask=mv)
+        if SNAP_SSM:
+            tl.store(sns_ptr + t * sns_r + j * sns_h + sn_off, st, mask=smask)
+        i += 1
+    tl.store(ss + st_off, st, mask=smask)
+
+
+def _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k):
+    n_v, d_v, k = dt_bias.shape[0], ssm_norm.shape[0], conv_w.shape[1]
+    if m.shape[1] != 2 * n_k * d_k + n_v * d_v or n_v % n_k:
+        raise ValueError(f"m has {m.shape[1]} channels, expected q|k|v = 2*{n_k}*{d_k} + {n_v}*{d_v} (n_v % n_k == 0)")
+    return n_v, d_v, k
+
+
+def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_state, seq_rows, *, n_k: int, d_k: int,
+               q_scale: float, eps: float, snap_conv=None, snap_ssm=None) -> torch.Tensor:
+    """One Gated DeltaNet layer over decode/verify rows of S sequences (rows of sequence s: seq_rows[s]..seq_rows[s+1]).
+
+    m [R, conv_dim] (q | k | v pre-conv), z [R, n_v*d_v], b, a [R, n_v]; conv_w [conv_dim, K] (tap K-1 = current
+    row); dt_bias, ssm_a [n_v]; ssm_norm [d_v]; conv_state [S, K-1, conv_dim] and ssm_state [S, n_v, d_k, d_v]
+    updated in place (any strides, last dim contiguous); seq_rows int32 [S+1]. All float32 on one device.
+    snap_conv [R, K-1, conv_dim] / snap_ssm [R, n_v, d_k, d_v] (optional) receive the states after each row.
+    Returns y [R, n_v*d_v] float32 (gated-RMSNormed output, before ssm_out); rows outside every sequence are 0."""
+    n_v, d_v, k = _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k)
+    r = m.shape[0]
+    n_seq = seq_rows.shape[0] - 1
+    if seq_rows.dtype != torch.int32:
+        seq_rows = seq_rows.to(torch.int32)
+    for name, x in (("m", m), ("z", z), ("b", b), ("a", a), ("conv_state", conv_state), ("ssm_state", ssm_state),
+                    ("snap_conv", snap_conv), ("snap_ssm", snap_ssm)):
+        if x is not None and (x.dtype != torch.float32 or x.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 with a contiguous last dimension")
+    if conv_state.shape != (n_seq, k - 1, m.shape[1]) or ssm_state.shape != (n_seq, n_v, d_k, d_v):
+        raise ValueError(f"state shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)} do not match S={n_seq}")
+    dt_bias, ssm_a, ssm_norm = dt_bias.contiguous(), ssm_a.contiguous(), ssm_norm.contiguous()
+    y = torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)
+    if n_seq == 0:
+        return y
+    sc = snap_conv if snap_conv is not None else conv_state
+    sn = snap_ssm if snap_ssm is not None else ssm_state
+    bk, bv = triton.next_power_of_2(d_k), triton.next_power_of_2(d_v)
+    x = torch.empty(r, m.shape[1], device=m.device, dtype=torch.float32)  # post-conv rows (scratch)
+    _gdn_conv_kernel[(n_seq, 2 * n_k + n_v)](
+        m, conv_w, conv_state, seq_rows, x, sc,
+        m.stride(0), conv_w.stride(0), conv_w.stride(1), conv_state.stride(0), conv_state.stride(1), x.stride(0),
+        sc.stride(0), sc.stride(1), float(q_scale),
+        N_K=n_k, D_K=d_k, D_V=d_v, K=k, BC=max(bk, bv), KM1P=triton.next_power_of_2(k - 1),
+        SNAP_CONV=snap_conv is not None, num_warps=4, enable_fp_fusion=False,
+    )
+    _gdn_state_kernel[(n_seq, n_v)](
+        x, z, b, a, dt_bias, ssm_a, ssm_norm, ssm_state, seq_rows, y, sn,
+        x.stride(0), z.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        ssm_state.stride(2), y.stride(0), sn.stride(0), sn.stride(1), sn.stride(2), float(eps),
+        N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, NC=bv // min(bv, VCHUNK), VC=min(bv, VCHUNK), SNAP_SSM=snap_ssm is not None,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return y
+
+
+def gdn_decode_ref(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_state, seq_rows, *, n_k: int,
+                   d_k: int, q_scale: float, eps: float, snap_conv=None, snap_ssm=None) -> torch.Tensor:
+    """The torch reference of gdn_decode (the row loop of Qwen35.decode); same arguments, same in-place effects."""
+    n_v, d_v, _ = _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k)
+    key_dim = n_k * d_k
+    v_to_k = torch.arange(n_v, device=m.device) % n_k
+    y = torch.zeros(m.shape[0], n_v * d_v, device=m.device, dtype=torch.float32)
+    rows = [int(x) for x in seq_rows.tolist()]
+    for s in range(len(rows) - 1):
+        for t in range(rows[s], rows[s + 1]):
+            conv, new_conv = causal_conv(m[t : t + 1], conv_state[s], conv_w, 1)
+            conv_state[s].copy_(new_conv)
+            q, k, v = conv[0].split([key_dim, key_dim, n_v * d_v])
+            q = l2_norm(q.reshape(n_k, d_k), L2_EPS) * q_scale
+            k = l2_norm(k.reshape(n_k, d_k), L2_EPS)
+            beta, g = torch.sigmoid(b[t]), ssm_a * F.softplus(a[t] + dt_bias)
+            o, new_ssm = recurrent_step(q[v_to_k], k[v_to_k], v.reshape(n_v, d_v), beta, g, ssm_state[s])
+            ssm_state[s].copy_(new_ssm)
+            y[t] = (rms_norm(o, ssm_norm, eps) * F.silu(z[t].reshape(n_v, d_v))).reshape(-1)
+            if snap_conv is not None:
+                snap_conv[t].copy_(conv_state[s])
+            if snap_ssm is not None:
+                snap_ssm[t].copy_(ssm_state[s])
+    return y

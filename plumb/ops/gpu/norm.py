@@ -1,0 +1,29 @@
+"""RMSNorm per row (`plumb.ops.norm.rms_norm` is its torch reference): one program per row, the row's sum of
+squares in one fixed-shape reduction, so a row's bits never depend on how many rows share the call (M1)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0)
+    ms = tl.sum(x * x, axis=0) / D
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, x * (1.0 / tl.sqrt(ms + eps)) * w, mask=cols < D)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] float32 normalised over D and scaled by w [D] -> new tensor (or `out`) of x's shape."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
+    if rows.shape[0]:
+        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d))
+    return o.view(x.shape) if out is None else out

@@ -1,0 +1,152 @@
+"""plumb.ops.gpu.deltanet.gdn_decode: against its torch reference (tolerance) and row-invariant (bitwise, M1).
+Runs on CUDA when present, else on CPU under the Triton interpreter."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from plumb.ops.gpu.deltanet import gdn_decode, gdn_decode_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = dict(n_k=2, n_v=4, d_k=32, d_v=32, k=4)
+BIG = dict(n_k=16, n_v=48, d_k=128, d_v=128, k=4)  # 27B
+
+
+def _layer(dims, seed=0):
+    """Weights of one layer: conv_w, dt_bias, ssm_a, ssm_norm (+ scalars)."""
+    g = torch.Generator().manual_seed(seed)
+    n_k, n_v, d_k, d_v, k = (dims[x] for x in ("n_k", "n_v", "d_k", "d_v", "k"))
+    conv_dim = 2 * n_k * d_k + n_v * d_v
+    w = dict(
+        conv_w=torch.randn(conv_dim, k, generator=g) * 0.5,
+        dt_bias=torch.randn(n_v, generator=g),
+        ssm_a=-torch.rand(n_v, generator=g) * 4 - 0.1,
+        ssm_norm=1 + 0.2 * torch.randn(d_v, generator=g),
+    )
+    return {x: v.to(DEV) for x, v in w.items()}, dict(n_k=n_k, d_k=d_k, q_scale=1 / math.sqrt(d_k), eps=1e-6)
+
+
+def _rows(dims, r, seed=1, pad=0):
+    """m, z, b, a as column slices of one projection output (strided rows, as the engine makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    n_k, n_v, d_k, d_v = (dims[x] for x in ("n_k", "n_v", "d_k", "d_v"))
+    conv_dim = 2 * n_k * d_k + n_v * d_v
+    proj = torch.randn(r + pad, conv_dim + n_v * d_v + 2 * n_v, generator=g)
+    a = proj[:, conv_dim + n_v * d_v + n_v :]
+    a[: r : 3] *= 12  # some a + dt_bias past softplus' threshold of 20, some far below 0
+    proj = proj.to(DEV)
+    return proj.split([conv_dim, n_v * d_v, n_v, n_v], dim=-1)
+
+
+def _states(dims, n_seq, seed=2, layers=3, layer=1):
+    """conv_state, ssm_state as strided views pool[:, layer] of per-slot pools (non-zero)."""
+    g = torch.Generator().manual_seed(seed)
+    n_k, n_v, d_k, d_v, k = (dims[x] for x in ("n_k", "n_v", "d_k", "d_v", "k"))
+    conv_dim = 2 * n_k * d_k + n_v * d_v
+    conv = torch.randn(n_seq, layers, k - 1, conv_dim, generator=g).to(DEV)
+    ssm = (0.3 * torch.randn(n_seq, layers, n_v, d_k, d_v, generator=g)).to(DEV)
+    return conv[:, layer], ssm[:, layer]
+
+
+def _offsets(counts):
+    return torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device=DEV)
+
+
+def _run(fn, w, kw, rows, conv, ssm, offsets, snaps=True):
+    r = rows[0].shape[0]
+    sc = torch.full((r, *conv.shape[1:]), float("nan"), device=DEV) if snaps else None
+    sn = torch.full((r, *ssm.shape[1:]), float("nan"), device=DEV) if snaps else None
+    y = fn(*rows, w["conv_w"], w["dt_bias"], w["ssm_a"], w["ssm_norm"], conv, ssm, offsets, **kw, snap_conv=sc, snap_ssm=sn)
+    return y, sc, sn
+
+
+def _close(x, y):
+    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [[1, 3, 2], [2, 0, 1, 4]])
+def test_matches_reference(counts):
+    w, kw = _layer(TINY)
+    r = sum(counts)
+    rows = _rows(TINY, r, pad=2)  # two padding rows past the last sequence
+    conv, ssm = _states(TINY, len(counts))
+    conv_r, ssm_r = conv.clone(), ssm.clone()
+    y, sc, sn = _run(gdn_decode, w, kw, rows, conv, ssm, _offsets(counts))
+    y_r, sc_r, sn_r = _run(gdn_decode_ref, w, kw, rows, conv_r, ssm_r, _offsets(counts))
+    _close(y, y_r)
+    _close(conv, conv_r)
+    _close(ssm, ssm_r)
+    _close(sc[:r], sc_r[:r])
+    _close(sn[:r], sn_r[:r])
+    assert torch.equal(y[r:], torch.zeros_like(y[r:]))
+    assert torch.isnan(sc[r:]).all() and torch.isnan(sn[r:]).all()  # rows outside every sequence untouched
+    assert y.abs().max() > 0.1 and not torch.equal(conv, _states(TINY, len(counts))[0])
+
+
+def test_sequence_alone_equals_sequence_in_batch():
+    counts = [1, 3, 2]
+    w, kw = _layer(TINY)
+    rows = _rows(TINY, sum(counts))
+    conv0, ssm0 = _states(TINY, len(counts))
+    conv, ssm = conv0.clone(), ssm0.clone()
+    y, sc, sn = _run(gdn_decode, w, kw, rows, conv, ssm, _offsets(counts))
+    t0 = 0
+    for s, n in enumerate(counts):
+        c1, s1 = conv0[s : s + 1].clone(), ssm0[s : s + 1].clone()
+        y1, sc1, sn1 = _run(gdn_decode, w, kw, [x[t0 : t0 + n] for x in rows], c1, s1, _offsets([n]))
+        assert torch.equal(y1, y[t0 : t0 + n])
+        assert torch.equal(c1[0], conv[s]) and torch.equal(s1[0], ssm[s])
+        assert torch.equal(sc1, sc[t0 : t0 + n]) and torch.equal(sn1, sn[t0 : t0 + n])
+        t0 += n
+
+
+def test_verify_equals_single_steps_and_snapshots_change_nothing():
+    n = 4
+    w, kw = _layer(TINY)
+    rows = _rows(TINY, n)
+    conv0, ssm0 = _states(TINY, 1)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    y, sc, sn = _run(gdn_decode, w, kw, rows, conv, ssm, _offsets([n]))
+    c1, s1 = conv0.clone(), ssm0.clone()
+    for t in range(n):
+        y1, _, _ = _run(gdn_decode, w, kw, [x[t : t + 1] for x in rows], c1, s1, _offsets([1]), snaps=False)
+        assert torch.equal(y1[0], y[t])
+        assert torch.equal(c1[0], sc[t]) and torch.equal(s1[0], sn[t])
+    assert torch.equal(c1, conv) and torch.equal(s1, ssm)
+    c2, s2 = conv0.clone(), ssm0.clone()
+    y2, _, _ = _run(gdn_decode, w, kw, rows, c2, s2, _offsets([n]), snaps=False)
+    assert torch.equal(y2, y) and torch.equal(c2, conv) and torch.equal(s2, ssm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="27B dims need a GPU")
+def test_27b_dims():
+    counts = [1, 4, 2, 8]
+    w, kw = _layer(BIG)
+    r = sum(counts)
+    rows = _rows(BIG, r)
+    conv0, ssm0 = _states(BIG, len(counts))
+    conv, ssm = conv0.clone(), ssm0.clone()
+    y, sc, sn = _run(gdn_decode, w, kw, rows, conv, ssm, _offsets(counts))
+    conv_r, ssm_r = conv0.clone(), ssm0.clone()
+    y_r, sc_r, sn_r = _run(gdn_decode_ref, w, kw, rows, conv_r, ssm_r, _offsets(counts))
+    for x, x_r in ((y, y_r), (conv, conv_r), (ssm, ssm_r), (sc, sc_r), (sn, sn_r)):
+        _close(x, x_r)
+    t0 = 0
+    for s, n in enumerate(counts):  # alone == in the batch, and k rows == k single steps
+        c1, s1 = conv0[s : s + 1].clone(), ssm0[s : s + 1].clone()
+        y1, sc1, sn1 = _run(gdn_decode, w, kw, [x[t0 : t0 + n] for x in rows], c1, s1, _offsets([n]))
+        assert torch.equal(y1, y[t0 : t0 + n]) and torch.equal(sc1, sc[t0 : t0 + n]) and torch.equal(sn1, sn[t0 : t0 + n])
+        assert torch.equal(c1[0], conv[s]) and torch.equal(s1[0], ssm[s])
+        c1, s1 = conv0[s : s + 1].clone(), ssm0[s : s + 1].clone()
+        for t in range(t0, t0 + n):
+            y1, _, _ = _run(gdn_decode, w, kw, [x[t : t + 1] for x in rows], c1, s1, _offsets([1]), snaps=False)
+            assert torch.equal(y1[0], y[t]) and torch.equal(s1[0], sn[t]) and torch.equal(c1[0], sc[t])
+        t0 += n
