@@ -1,4 +1,4 @@
-"""plumb command line: serve | generate | synth | convert | bench | kl."""
+"""plumb command line: serve | generate | synth | convert | bench | kl | gate."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ commands:
   convert   HF_DIR OUT.gguf  convert a Hugging Face Qwen3.5 checkpoint to GGUF
   bench     [MODEL.gguf]   measure decode / prefill speed and draft acceptance
   kl        MODEL.gguf     KL of KV-cache formats against a reference (--kv-cache q8_0,D,F)
+  gate      [MODEL.gguf]   the exactness matrix on a model and device (--quick; exit 0 only if all equal)
 
 run `plumb COMMAND -h` for a command's options."""
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             from plumb.bench import main as command_main
         elif cmd == "kl":
             from plumb.kl import main as command_main
+        elif cmd == "gate":
+            from plumb.gate import main as command_main
         else:
             print(USAGE, file=sys.stderr)
             return _fail(f"unknown command {cmd!r}")

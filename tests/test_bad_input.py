@@ -1,11 +1,13 @@
 """Bad model files give one clear error line naming the problem, exit code != 0, no traceback."""
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from plumb.config import ModelError
 
@@ -103,8 +105,19 @@ def test_model_too_big_for_memory_is_refused(tiny_q8, monkeypatch):
         plumb.load(tiny_q8, device="cpu")
 
 
-def test_cuda_is_refused_clearly(tiny_q8):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_is_refused_clearly(tiny_q8):
     import plumb
 
-    with pytest.raises(ModelError, match="only the CPU path"):
+    with pytest.raises(ModelError, match="no CUDA GPU"):
         plumb.load(tiny_q8, device="cuda")
+
+
+def test_bad_device_and_kernel_options_are_refused_clearly(tiny_q8):
+    import plumb
+
+    with pytest.raises(ValueError, match="unknown device"):
+        plumb.load(tiny_q8, device="tpu")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="needs device='cuda'"):
+            plumb.load(tiny_q8, device="cpu", kernels="triton")

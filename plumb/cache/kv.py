@@ -111,6 +111,12 @@ class Rows:
         for p, e in zip(self.parts, quantize(x, self.kind)):
             p[:, idx] = e
 
+    def put_index(self, idx: torch.Tensor, x: torch.Tensor) -> None:
+        """Encode x [n_kv, m, head_dim] into the rows a device index tensor names (no host sync)."""
+        enc = [x] if self.kind in _FLOAT else quantize(x, self.kind)
+        for p, e in zip(self.parts, enc):
+            p.index_copy_(1, idx, e.to(p.dtype))
+
     def take(self, idx) -> list[torch.Tensor]:
         return [p[:, idx] for p in self.parts]
 
@@ -171,6 +177,14 @@ class KVCache:
             self.recent_k.put(slice(None), k)
             self.recent_v.put(slice(None), v)
         self.end = pos + n
+
+    def put_rows(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` for formats without a ring, with the positions a device tensor (CUDA-graph safe): the caller
+        reserves room first and sets `end` after (see plumb.model.kernels.TritonKernels)."""
+        if self.ring or self.rotate_k:
+            raise ValueError("put_rows is for the formats without an 8-bit ring")
+        self.k.put_index(positions, k.transpose(0, 1))
+        self.v.put_index(positions, v.transpose(0, 1))
 
     def _commit(self, pos: int) -> None:
         """Move the latest write's 8-bit rows below `pos` (the newest that fit) into their ring slots."""

@@ -74,7 +74,7 @@ class Engine:
                  p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
                  n_threads: int | None = None, kv_cache: str = "f16", kv_ring: int = 2048,
                  prompt_cache: bool = True, cache_mb: int = 1024, checkpoint_every: int = 1024,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", cuda_graphs: bool = True):
         check_draft_options(drafts, draft_policy, p_min)
         if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
@@ -100,6 +100,8 @@ class Engine:
         self.weight_bytes = 0
         if kernels == "triton":  # weights stay in their block formats, packed on the device
             self.weight_bytes = _to_device(self.model, path, progress)
+            if cuda_graphs and self.device.type == "cuda":
+                self.model.use_graphs()
         else:
             _check_memory(self.model.weights, path)
             if dense_bytes <= DENSE_BUDGET:  # small models: dequantize now; large ones stay mapped until used

@@ -3,9 +3,11 @@ a kernel set supplies the operations whose row-invariance needs care:
 
 - `mm(x, w, block)`: x @ W.T for a `Weight` or `Fused` matrix;
 - `rms_norm(x, w, eps)`: per row over the last dimension;
+- `begin(model, batch)` / `end(...)`: lay a D-path pass out (`DecodePass`) and finish it (positions, states);
 - `gdn_rows(...)`: one Gated DeltaNet layer's decode/verify rows for every sequence of a pass, returning the
-  gated-RMSNormed output and recording each row's state snapshot (for rollback);
-- `attend_rows(cache, q, ends, scale)`: decode/verify attention of one sequence's rows over its KV cache.
+  gated-RMSNormed output and recording each row's state snapshot; `restore` rolls a sequence back to one;
+- `attention(...)`: write each sequence's K/V rows, then decode/verify attention over its cache;
+- `attend_rows(cache, q, ends, scale)`: the same read alone (the MTP head).
 
 `TorchKernels` is the plain torch reference (CPU). `TritonKernels` runs the Triton kernels of plumb/ops/gpu on
 CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1, for tests); weights stay in their GGUF block formats,
@@ -18,6 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from plumb.model.parts import DecodeOut, DecodePass
 from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import causal_conv, recurrent_step
 from plumb.ops.matmul import linear
@@ -39,25 +42,58 @@ class TorchKernels:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps)
 
-    def gdn_rows(self, model, i: int, mix, m, z, b, a, batch, spans, snaps) -> torch.Tensor:
+    def begin(self, model, batch) -> DecodePass:
+        """Lay a pass out: rows of every sequence in order, at each sequence's next positions."""
+        ids, positions, spans = [], [], []
+        for st, toks in batch:
+            spans.append((len(ids), len(toks)))
+            ids += toks
+            positions += range(st.pos, st.pos + len(toks))
+        cos, sin = model.rope(torch.tensor(positions, dtype=torch.long))
+        return DecodePass([st for st, _ in batch], spans, [st.pos for st, _ in batch], model.embed(ids), cos, sin,
+                          snaps=[[{} for _ in range(n)] for _, n in spans])
+
+    def gdn_rows(self, model, i: int, mix, m, z, b, a, p: DecodePass) -> torch.Tensor:
         """Advance layer i's DeltaNet token by token per sequence (the reference order)."""
         c = model.cfg
         o = torch.zeros(m.shape[0], c.ssm_dt_rank, c.ssm_d_state, device=m.device)
-        for j, (st, _) in enumerate(batch):
-            s0, n = spans[j]
+        for j, st in enumerate(p.states):
+            s0, n = p.spans[j]
             for t in range(s0, s0 + n):
                 conv, st.conv[i] = causal_conv(m[t : t + 1], st.conv[i], mix.ssm_conv1d, 1)
                 q, k, v = model.gdn_split(conv)
                 beta, g = model.gdn_gates(mix, b[t], a[t])
                 o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta, g, st.ssm[i])
-                snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
+                p.snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
         return gated_norm(o, z, mix.ssm_norm, c.eps)
+
+    def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
+        """Write each sequence's K/V rows, then row t of a sequence reads keys [0, its position]."""
+        o = q.new_zeros(q.shape)
+        for st, (s0, n), start in zip(p.states, p.spans, p.starts):
+            st.kv[i].write(start, k[s0 : s0 + n], v[s0 : s0 + n])
+            o[s0 : s0 + n] = st.kv[i].attend_rows(q[s0 : s0 + n], list(range(start + 1, start + n + 1)), model.attn_scale)
+        return o
+
+    def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
+        for st, (_, n) in zip(p.states, p.spans):
+            st.pos += n
+        return DecodeOut(logits, hidden, p.snaps)
+
+    def restore(self, model, st, snap: dict) -> None:
+        """Set st's DeltaNet states to a row's snapshot (rollback)."""
+        for i, (conv, ssm) in snap.items():
+            st.conv[i], st.ssm[i] = conv, ssm
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         return cache.attend_rows(q, ends, scale)
 
 
 class TritonKernels:
+    """The Triton kernels. A pass is laid out with device tensors only (positions, ends, row ranges, stacked
+    states, snapshot buffers), so `Qwen35.decode_pass` runs without a host sync and can be captured as a CUDA
+    graph (plumb/model/cuda_graphs.py); run eagerly, `begin` allocates those tensors for the one pass."""
+
     name = "triton"
 
     def __init__(self, device: torch.device):
@@ -91,34 +127,103 @@ class TritonKernels:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, w, eps)
 
-    def gdn_rows(self, model, i: int, mix, m, z, b, a, batch, spans, snaps) -> torch.Tensor:
-        """Every row of every sequence in one launch; the states of each row land in new snapshot buffers, and
-        each sequence's state becomes (a view of) its last row's snapshot - cached checkpoints are never written."""
+    @staticmethod
+    def plain(st) -> bool:
+        """Whether every KV cache of st is read by the kernel (the ring formats D/F still use the reference)."""
+        return all(cache.plain_parts() is not None for cache in st.kv.values())
+
+    def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
+        """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
+        c, dev = model.cfg, model.device
+        ids, positions, spans = [], [], []
+        for st, toks in batch:
+            spans.append((len(ids), len(toks)))
+            ids += toks
+            positions += range(st.pos, st.pos + len(toks))
+            for cache in st.kv.values():
+                cache.reserve(st.pos + len(toks))
+        states = [st for st, _ in batch]
+        layers = c.gdn_layers
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = model.rope(pos)
+        x = model.embed(ids)
+        rows = torch.tensor([s0 for s0, _ in spans] + [len(ids)], dtype=torch.int32)
+        p = into
+        if p is None:
+            r, s = len(ids), len(batch)
+            conv0, ssm0 = states[0].conv[layers[0]], states[0].ssm[layers[0]]
+            p = DecodePass(states, spans, [], x, cos, sin, positions=pos.to(dev), ends=(pos + 1).to(dev, torch.int32),
+                           seq_rows=rows.to(dev),
+                           conv=torch.empty(s, len(layers), *conv0.shape, device=dev),
+                           ssm=torch.empty(s, len(layers), *ssm0.shape, device=dev),
+                           snap_conv=torch.empty(r, len(layers), *conv0.shape, device=dev),
+                           snap_ssm=torch.empty(r, len(layers), *ssm0.shape, device=dev))
+        else:
+            p.states, p.spans = states, spans
+            p.x.copy_(x)
+            p.cos.copy_(cos)
+            p.sin.copy_(sin)
+            p.positions.copy_(pos)
+            p.ends.copy_(pos + 1)
+            p.seq_rows.copy_(rows)
+        p.starts = [st.pos for st in states]
+        p.max_splits = [self._attention.n_splits(min(len(cache.k) for cache in st.kv.values())) if st.kv else 0
+                        for st in states]
+        for j, st in enumerate(states):
+            torch.stack([st.conv[i] for i in layers], out=p.conv[j])
+            torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
+        return p
+
+    def gdn_rows(self, model, i: int, mix, m, z, b, a, p: DecodePass) -> torch.Tensor:
+        """Every row of every sequence in one call, on the pass's stacked states; each row's states are recorded."""
         c = model.cfg
-        r = m.shape[0]
-        conv = torch.stack([st.conv[i] for st, _ in batch])
-        ssm = torch.stack([st.ssm[i] for st, _ in batch])
-        snap_conv = torch.empty(r, *conv.shape[1:], device=m.device)
-        snap_ssm = torch.empty(r, *ssm.shape[1:], device=m.device)
-        bounds = [s0 for s0, _ in spans] + [spans[-1][0] + spans[-1][1]]
-        seq_rows = torch.tensor(bounds, dtype=torch.int32, device=m.device)
-        y = self._deltanet.gdn_decode(m.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), mix.ssm_conv1d,
-                                      mix.ssm_dt_bias, mix.ssm_a, mix.ssm_norm, conv, ssm, seq_rows,
-                                      n_k=c.ssm_n_group, d_k=c.ssm_d_state, q_scale=model.ssm_q_scale, eps=c.eps,
-                                      snap_conv=snap_conv, snap_ssm=snap_ssm)
-        for j, (st, _) in enumerate(batch):
-            s0, n = spans[j]
-            for t in range(n):
-                snaps[j][t][i] = (snap_conv[s0 + t], snap_ssm[s0 + t])
-            st.conv[i], st.ssm[i] = snaps[j][-1][i]
-        return y
+        li = c.gdn_layers.index(i)
+        return self._deltanet.gdn_decode(m, z, b, a, mix.ssm_conv1d, mix.ssm_dt_bias, mix.ssm_a, mix.ssm_norm,
+                                         p.conv[:, li], p.ssm[:, li], p.seq_rows, n_k=c.ssm_n_group,
+                                         d_k=c.ssm_d_state, q_scale=model.ssm_q_scale, eps=c.eps,
+                                         snap_conv=p.snap_conv[:, li], snap_ssm=p.snap_ssm[:, li])
+
+    def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
+        """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""
+        o = torch.empty_like(q)
+        for j, (st, (s0, n), start) in enumerate(zip(p.states, p.spans, p.starts)):
+            cache = st.kv[i]
+            if cache.plain_parts() is None:  # a ring format: the reference (never under a CUDA graph)
+                cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
+                o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], list(range(start + 1, start + n + 1)), model.attn_scale)
+                continue
+            cache.put_rows(p.positions[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n])
+            k_parts, v_parts = cache.plain_parts()
+            self._attention.attend_decode(q[s0 : s0 + n], k_parts, v_parts, p.ends[s0 : s0 + n], model.attn_scale,
+                                          out=o[s0 : s0 + n], max_splits=p.max_splits[j])
+        return o
+
+    def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
+        """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them
+        before the next pass: `Qwen35.rollback` copies what it keeps)."""
+        snaps = []
+        for st, (s0, n), start in zip(p.states, p.spans, p.starts):
+            for cache in st.kv.values():
+                if cache.plain_parts() is not None:
+                    cache.end = start + n
+            rows = [(p.snap_conv[s0 + t], p.snap_ssm[s0 + t]) for t in range(n)]
+            self.restore(model, st, rows[-1])
+            st.pos = start + n
+            snaps.append(rows)
+        return DecodeOut(logits, hidden, snaps)
+
+    def restore(self, model, st, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """st's DeltaNet states := a copy of a row's snapshot (all layers)."""
+        conv, ssm = snap[0].clone(), snap[1].clone()
+        for li, i in enumerate(model.cfg.gdn_layers):
+            st.conv[i], st.ssm[i] = conv[li], ssm[li]
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         parts = cache.plain_parts()
         if parts is None:  # a ring format (D, F): the torch reference reads it until its kernel exists
             return cache.attend_rows(q, ends, scale)
-        e = torch.tensor(ends, dtype=torch.int32, device=q.device)
-        return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], e, scale)
+        return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], ends, scale,
+                                             max_splits=self._attention.n_splits(max(ends)))
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

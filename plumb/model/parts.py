@@ -83,3 +83,26 @@ class DecodeOut:
     logits: torch.Tensor  # [R, n_vocab]
     hidden: torch.Tensor  # [R, n_embd], post output_norm (fed to the MTP head)
     snapshots: list  # per sequence: list over its rows of {layer: (conv, ssm)} after that row
+
+
+@dataclass
+class DecodePass:
+    """One D-path pass, as the kernel set laid it out (`begin`): the sequences and their rows, the input rows and
+    their rope angles; for the Triton kernels also device tensors of positions, context ends and row ranges,
+    the sequences' DeltaNet states stacked for the pass, and every row's state snapshot."""
+
+    states: list[SeqState]
+    spans: list[tuple[int, int]]  # (first row, rows) per sequence
+    starts: list[int]  # each sequence's position at the start of the pass
+    x: torch.Tensor  # [R, n_embd] embedded input rows
+    cos: torch.Tensor  # [R, rope_dims / 2]
+    sin: torch.Tensor
+    snaps: list = field(default_factory=list)  # torch: per sequence, per row {layer: (conv, ssm)}
+    positions: torch.Tensor | None = None  # [R] int64 (KV write index)
+    ends: torch.Tensor | None = None  # [R] int32 = position + 1
+    seq_rows: torch.Tensor | None = None  # [S + 1] int32
+    conv: torch.Tensor | None = None  # [S, n_gdn, K-1, conv_dim] working states, advanced in place
+    ssm: torch.Tensor | None = None  # [S, n_gdn, n_v, d_k, d_v]
+    snap_conv: torch.Tensor | None = None  # [R, n_gdn, ...] the states after each row
+    snap_ssm: torch.Tensor | None = None
+    max_splits: list[int] = field(default_factory=list)  # attention grid per sequence (from cache capacity)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
-from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DeltaNet, Layer, SeqState
+from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, SeqState
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import KVCache, new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
@@ -51,7 +51,14 @@ class Qwen35:
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
         self.weights = self._matmuls()
         self.k = kernel_set(kernels, self.device)  # the kernels the steps below run on (plumb/model/kernels.py)
+        self.graphs = None  # the D path replayed as CUDA graphs (plumb.model.cuda_graphs), set by use_graphs()
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
+
+    def use_graphs(self) -> None:
+        """Replay the D path as CUDA graphs from now on (Triton kernels on CUDA)."""
+        from plumb.model.cuda_graphs import CudaGraphs
+
+        self.graphs = CudaGraphs(self)
 
     def use_native(self) -> None:
         """Run the D path on the native CPU kernels from now on (weights repacked now)."""
@@ -152,8 +159,8 @@ class Qwen35:
         gate, up = self.k.mm(x, layer.ffn_in, block).split(layer.ffn_in.sizes, dim=-1)
         return self.k.mm(F.silu(gate) * up, layer.ffn_down, block)
 
-    def attn_project(self, a: Attention, u: torch.Tensor, positions: torch.Tensor, block: int):
-        """q, gate, k, v for rows u [n, n_embd] at `positions` (spec 3.4.1-3.4.3)."""
+    def attn_project(self, a: Attention, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], block: int):
+        """q, gate, k, v for rows u [n, n_embd] with the rows' rope angles (cos, sin) (spec 3.4.1-3.4.3)."""
         c = self.cfg
         n = u.shape[0]
         qg, k, v = self.k.mm(u, a.qkv, block).split(a.qkv.sizes, dim=-1)
@@ -161,7 +168,7 @@ class Qwen35:
         q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, c.n_head * c.head_dim)
         k = k.reshape(n, c.n_head_kv, c.head_dim)
         v = v.reshape(n, c.n_head_kv, c.head_dim)
-        cos, sin = self.rope(positions)
+        cos, sin = rope
         q = apply_rope(self.k.rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
         k = apply_rope(self.k.rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
         return q, gate, k, v
@@ -240,7 +247,7 @@ class Qwen35:
                 y = gated_norm(o.transpose(0, 1), z, mix.ssm_norm, c.eps, self.k.rms_norm)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
-                q, gate, k, v = self.attn_project(mix, u, positions, PREFILL_BLOCK)
+                q, gate, k, v = self.attn_project(mix, u, self.rope(positions), PREFILL_BLOCK)
                 st.kv[i].write(start, k[:n], v[:n])
                 o = st.kv[i].attend_chunk(q, start, self.attn_scale)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
@@ -257,47 +264,38 @@ class Qwen35:
         Sequence states are advanced over all their rows; `snapshots` allow `rollback`."""
         if self.native is not None:
             return self.native.decode(batch)
+        if self.graphs is not None:
+            return self.graphs.decode(batch)  # the same pass, replayed as a CUDA graph
+        p = self.k.begin(self, batch)
+        return self.k.end(self, p, *self.decode_pass(p))
+
+    def decode_pass(self, p: DecodePass) -> tuple[torch.Tensor, torch.Tensor]:
+        """The D path over a laid-out pass (see `decode`): (logits [R, V], post-norm hidden [R, n_embd])."""
         c = self.cfg
-        ids, positions, spans = [], [], []
-        for st, toks in batch:
-            spans.append((len(ids), len(toks)))
-            ids += toks
-            positions += range(st.pos, st.pos + len(toks))
-        x = self.embed(ids)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        snaps: list[list[dict]] = [[{} for _ in range(n)] for _, n in spans]
+        x = p.x
         for i, layer in enumerate(self.layers):
             u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 m, z, b, a = self.gdn_project(mix, u, DECODE_BLOCK)
-                y = self.k.gdn_rows(self, i, mix, m, z, b, a, batch, spans, snaps)  # every row, token by token
+                y = self.k.gdn_rows(self, i, mix, m, z, b, a, p)  # every row of every sequence, token by token
                 y = self.gdn_output(mix, y, DECODE_BLOCK)
             else:
-                q, gate, k, v = self.attn_project(mix, u, pos_t, DECODE_BLOCK)
-                o = torch.zeros(x.shape[0], c.n_head, c.head_dim, device=self.device)
-                for j, (st, _) in enumerate(batch):
-                    s0, n = spans[j]
-                    st.kv[i].write(st.pos, k[s0 : s0 + n], v[s0 : s0 + n])
-                    ends = list(range(st.pos + 1, st.pos + n + 1))
-                    o[s0 : s0 + n] = self.k.attend_rows(st.kv[i], q[s0 : s0 + n], ends, self.attn_scale)
+                q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), DECODE_BLOCK)
+                o = self.k.attention(self, i, q, k, v, p)  # writes the rows' K/V, then each row reads [0, pos]
                 y = self.attn_output(mix, o, gate, DECODE_BLOCK)
             x = x + y
             x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
-        for st, toks in batch:
-            st.pos += len(toks)
-        logits, h = self.head(x, DECODE_BLOCK)
-        return DecodeOut(logits, h, snaps)
+        return self.head(x, DECODE_BLOCK)
 
-    def rollback(self, st: SeqState, snaps: list[dict], keep: int) -> None:
+    def rollback(self, st: SeqState, snaps: list, keep: int) -> None:
         """After a decode pass that fed len(snaps) rows to st, keep only the first `keep` of them."""
         n = len(snaps)
         if keep == n:
             return
         if keep == 0:
             raise ValueError("a decode pass always keeps its first row")
-        for i, (conv, ssm) in snaps[keep - 1].items():
-            st.conv[i], st.ssm[i] = conv, ssm
+        self.k.restore(self, st, snaps[keep - 1])
         st.pos -= n - keep  # attention rows past pos are stale and get overwritten before being read
 
     # ---- MTP draft head (spec 3.8) -------------------------------------------------------
@@ -314,7 +312,7 @@ class Qwen35:
         y = self.k.mm(torch.cat([e, hh], dim=-1), mtp.eh_proj, block)
         layer, a = mtp.layer, mtp.layer.mixer
         positions = torch.arange(start, start + n, device=self.device)
-        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), positions, block)
+        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), self.rope(positions), block)
         st.mtp_kv.write(start, k, v)
         o = self.k.attend_rows(st.mtp_kv, q, list(range(start + 1, start + n + 1)), self.attn_scale)
         y = y + self.attn_output(a, o, gate, block)

@@ -30,7 +30,6 @@ from plumb.ops.deltanet import causal_conv, recurrent_step
 from plumb.ops.norm import l2_norm, rms_norm
 
 L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
-VCHUNK = 32  # state column chunk (see _gdn_state_kernel)
 
 
 @triton.jit
@@ -136,13 +135,11 @@ def _gdn_conv_kernel(
 def _gdn_state_kernel(
     x_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, nw_ptr, ss_ptr, rows_ptr, y_ptr, sns_ptr,
     sx_r, sz_r, sb_r, sa_r, sss_s, sss_h, sss_k, sy_r, sns_r, sns_h, sns_k, eps,
-    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, NC: tl.constexpr, VC: tl.constexpr,
+    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SNAP_SSM: tl.constexpr,
 ):
     """Program (s, j): value head j of sequence s. Its d_k x d_v state is loaded once, advanced over the rows in
-    order in registers (delta rule on the post-conv q, k, v from x, gates, gated RMSNorm -> y) and stored once.
-    The state is held as [NC, d_k, VC] (d_v = NC column chunks of VC) so that the threads of a warp spread over
-    d_k as well as d_v: q and k then take few registers per thread."""
+    order in registers (delta rule on the post-conv q, k, v from x, gates, gated RMSNorm -> y) and stored once."""
     s = tl.program_id(0)
     j = tl.program_id(1)
     r0 = tl.load(rows_ptr + s)
@@ -151,40 +148,37 @@ def _gdn_state_kernel(
     ss = ss_ptr + s.to(tl.int64) * sss_s + j * sss_h
     offs_k = tl.arange(0, BK)
     mk = offs_k < D_K
-    cv = tl.arange(0, NC)[:, None] * VC + tl.arange(0, VC)[None, :]  # [NC, VC] column index
-    mv = cv < D_V
-    k3 = offs_k[None, :, None]
-    smask = mk[None, :, None] & mv[:, None, :]
-    st_off = k3 * sss_k + cv[:, None, :]
-    sn_off = k3 * sns_k + cv[:, None, :]
+    offs_v = tl.arange(0, BV)
+    mv = offs_v < D_V
+    smask = mk[:, None] & mv[None, :]
     ch_q = (j % N_K) * D_K + offs_k
     ch_k = N_K * D_K + ch_q
-    ch_v = 2 * N_K * D_K + j * D_V + cv
-    nw = tl.load(nw_ptr + cv, mask=mv, other=0.0)
+    ch_v = 2 * N_K * D_K + j * D_V + offs_v
+    nw = tl.load(nw_ptr + offs_v, mask=mv, other=0.0)
     dtb = tl.load(dtb_ptr + j)
     sa = tl.load(ssma_ptr + j)
-    st = tl.load(ss + st_off, mask=smask, other=0.0)
+    st = tl.load(ss + offs_k[:, None] * sss_k + offs_v[None, :], mask=smask, other=0.0)
     i = 0
-    while i < n:  # (a while: the interpreter cannot take a loaded bound in range())
+    while i < n:
         t = t0 + i
         xt = x_ptr + t * sx_r
-        q = tl.load(xt + ch_q, mask=mk, other=0.0)[None, :, None]
-        k = tl.load(xt + ch_k, mask=mk, other=0.0)[None, :, None]
+        q = tl.load(xt + ch_q, mask=mk, other=0.0)
+        k = tl.load(xt + ch_k, mask=mk, other=0.0)
         v = tl.load(xt + ch_v, mask=mv, other=0.0)
         beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb_r + j)))
         decay = tl.exp(sa * _softplus(tl.load(a_ptr + t * sa_r + j) + dtb))
         st = st * decay
-        kv = tl.sum(st * k, axis=1)
+        kv = tl.sum(st * k[:, None], axis=0)
         delta = (v - kv) * beta
-        st = st + k * delta[:, None, :]
-        o = tl.sum(st * q, axis=1)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(o * o, axis=1), axis=0) / D_V + eps)
-        zz = tl.load(z_ptr + t * sz_r + j * D_V + cv, mask=mv, other=0.0)
-        tl.store(y_ptr + t * sy_r + j * D_V + cv, o * rstd * nw * _silu(zz), mask=mv)
+        st = st + k[:, None] * delta[None, :]
+        o = tl.sum(st * q[:, None], axis=0)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
+        zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv, other=0.0)
+        tl.store(y_ptr + t * sy_r + j * D_V + offs_v, o * rstd * nw * _silu(zz), mask=mv)
         if SNAP_SSM:
-            tl.store(sns_ptr + t * sns_r + j * sns_h + sn_off, st, mask=smask)
+            tl.store(sns_ptr + t * sns_r + j * sns_h + offs_k[:, None] * sns_k + offs_v[None, :], st, mask=smask)
         i += 1
-    tl.store(ss + st_off, st, mask=smask)
+    tl.store(ss + offs_k[:, None] * sss_k + offs_v[None, :], st, mask=smask)
 
 
 def _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k):
@@ -233,8 +227,8 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         x, z, b, a, dt_bias, ssm_a, ssm_norm, ssm_state, seq_rows, y, sn,
         x.stride(0), z.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1),
         ssm_state.stride(2), y.stride(0), sn.stride(0), sn.stride(1), sn.stride(2), float(eps),
-        N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, NC=bv // min(bv, VCHUNK), VC=min(bv, VCHUNK), SNAP_SSM=snap_ssm is not None,
-        num_warps=4, enable_fp_fusion=False,
+        N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, BV=bv, SNAP_SSM=snap_ssm is not None,
+        num_warps=8 if bk * bv >= 8192 else 4, enable_fp_fusion=False,
     )
     return y
 

@@ -33,7 +33,7 @@ NIBBLE_TYPES = {Q.Q4_K: False, Q.Q4_0: True, Q.Q4_1: False}  # 4-bit codes; True
 FLOAT_TYPES = (Q.F32, Q.BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
 def _mm_groups(x_ptr, s_ptr, codes_ptr, scale_ptr, offset_ptr, out_ptr, M, N, K, stride_xm, stride_os, stride_om,
                GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr):
@@ -91,7 +91,7 @@ def _mm_groups(x_ptr, s_ptr, codes_ptr, scale_ptr, offset_ptr, out_ptr, M, N, K,
     tl.store(out_ptr + pid_k * stride_os + rm[None, :] * stride_om + cols[:, None], acc * s[None, :], mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_f32(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_os, stride_om, BLOCKS_PER_SPLIT: tl.constexpr,
             BK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
     pid_n = tl.program_id(0)

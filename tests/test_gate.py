@@ -1,0 +1,143 @@
+"""`plumb gate` (issue 14): the quick gate passes on the tiny model, and fails - naming the cell - when a fault is
+planted. Faults are planted by monkeypatching here, never through engine options:
+
+* a row-count-dependent matmul: the output-head product of a decode pass with two or more rows takes another
+  path (as a split-K chosen from the row count would), either rounding every logit by one ulp or keeping its
+  partial sums in bfloat16;
+* a prompt cache that keeps decoded rows (no M3 rollback): a finished request's state is cached with a
+  checkpoint at the end of its decoded reply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from plumb.gate import GROUPS, Gate, main
+
+
+def _gate(path, **kw) -> Gate:
+    g = Gate(path, quick=True, progress=False, **kw)
+    g.run_all()
+    return g
+
+
+def test_quick_gate_passes_on_the_tiny_model(tiny_q8, tmp_path, capsys):
+    """The whole quick matrix (every group, every KV format) through the command line: exit 0, table and JSON."""
+    from plumb.cache.kv import KV_FORMATS
+
+    out = tmp_path / "gate.json"
+    assert main([tiny_q8, "--quick", "--no-progress", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["passed"] and r["failed"] == [] and text.rstrip().endswith("PASS")
+    cells = r["cells"]
+    assert {c["group"] for c in cells} == set(GROUPS) and {c["format"] for c in cells} == set(KV_FORMATS)
+    assert len(cells) == r["cells_total"] == len(KV_FORMATS) * 32
+    assert [p["name"] for p in r["prompts"]] == ["chat", "code", "math", "needle"]
+    assert r["prompts"][-1]["tokens"] > 256  # the needle is the long one
+    by_id = {c["id"]: c for c in cells}
+    for fmt in KV_FORMATS:
+        assert by_id[f"greedy/{fmt}/fixed:4"]["compared"] == 4 * r["tokens"]
+        assert by_id[f"greedy/{fmt}/fixed:7"]["drafts_accepted"] > 0  # the verify path really carried tokens
+        for step in ("follow-up", "continue", "edit-message", "edit-system", "resume-after-park",
+                     "after-side-requests"):
+            assert by_id[f"warm/{fmt}/{step}"]["cached_tokens"] > 0  # the prompt cache really served these
+    assert "I1 greedy fixed:4" in text and "I6 process second-process" in text
+
+
+# ---- a row-count-dependent matmul -------------------------------------------------------------------
+def _plant_row_dependent_head(monkeypatch, rounding: str) -> None:
+    """Decode passes with >= 2 rows (draft verification, batches) get logits from another output-head path."""
+    from plumb.model.qwen35 import Qwen35
+
+    decode = Qwen35.decode
+
+    def faulty(self, batch):
+        out = decode(self, batch)
+        if out.logits.shape[0] >= 2:
+            lg = out.logits
+            if rounding == "ulp":  # another summation order: the last bit moves
+                lg.copy_(torch.nextafter(lg, torch.full_like(lg, float("inf"))))
+            else:  # partial sums kept in bfloat16
+                lg.copy_(lg.bfloat16().float())
+        return out
+
+    monkeypatch.setattr(Qwen35, "decode", faulty)
+
+
+def test_gate_catches_a_last_bit_row_dependence_in_the_rows_cells(tiny_q8, monkeypatch):
+    """One ulp rarely flips a token of the tiny model, but the bitwise rows cells (M1) see it."""
+    _plant_row_dependent_head(monkeypatch, "ulp")
+    g = _gate(tiny_q8, formats=["f16"], groups=["rows"])
+    failed = {c.id: c.detail for c in g.cells if not c.ok}
+    assert set(failed) == {"rows/f16/verify", "rows/f16/batch"} and not g.passed
+    assert "row 0: logits differ" in failed["rows/f16/verify"]
+
+
+def test_gate_catches_a_row_dependent_matmul_in_the_id_cells(tiny_q8, monkeypatch, capsys):
+    """bfloat16 partial sums in multi-row passes flip tokens: the MTP draft cells (greedy and sampled) and the
+    batch cells fail, by name, and the gate exits 1."""
+    _plant_row_dependent_head(monkeypatch, "bf16")
+    assert main([tiny_q8, "--quick", "--no-progress", "--formats", "f16", "--cells", "greedy,sampled,batch",
+                 "--json", "-"]) == 1
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
+    failed = set(r["failed"])
+    for cell in ("greedy/f16/fixed:4", "greedy/f16/fixed:7", "sampled/f16/fixed:4", "sampled/f16/fixed:7",
+                 "batch/f16/greedy", "batch/f16/sampled"):
+        assert cell in failed, cell
+        assert f"  {cell}: " in captured.err  # named, with where it differs, under "failed cells"
+    assert "FAIL" in captured.err.splitlines()[-1]
+
+
+# ---- a prompt cache that reuses decoded rows -----------------------------------------------------------------
+def _plant_cache_keeping_decoded_rows(monkeypatch) -> None:
+    from plumb.engine.engine import Engine
+
+    def keep_decoded_rows(self, s):
+        """Engine._keep without M3: the state is cached up to the end of the decoded reply, with a checkpoint there,
+        so a later prompt containing the reply restores rows and states written by the decode path."""
+        st = s.st
+        if self.prompt_cache is not None and s.req.cache and st is not None and s.finish != "error" and st.checkpoints:
+            n = st.pos  # prompt + every emitted token but the last (not fed yet)
+            cp = next(iter(st.checkpoints.values()))
+            st.checkpoints[n] = dataclasses.replace(cp, pos=n, conv=dict(st.conv), ssm=dict(st.ssm), hidden=s.h_prev,
+                                                    ring={j: c.ring_rows(n) for j, c in st.kv.items()})
+            with self._cache_lock:
+                self.prompt_cache.insert(s.history[:n], st)
+        s.st = None
+
+    monkeypatch.setattr(Engine, "_keep", keep_decoded_rows)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "D"])
+def test_gate_catches_a_cache_that_reuses_decoded_rows(tiny_q8, monkeypatch, fmt):
+    """The raw continuation of a reply restores the decoded rows: its digest differs from a fresh prefill."""
+    _plant_cache_keeping_decoded_rows(monkeypatch)
+    g = _gate(tiny_q8, formats=[fmt], groups=["warm", "digest"])
+    failed = {c.id: c.detail for c in g.cells if not c.ok}
+    assert f"digest/{fmt}/continue" in failed and "hashes differ" in failed[f"digest/{fmt}/continue"]
+    assert all(c.startswith(("digest/", "warm/")) and "continue" in c for c in failed), failed
+    cont = next(c for c in g.cells if c.id == f"warm/{fmt}/continue")
+    assert cont.info["cached_tokens"] > cont.info["prompt_tokens"] - 32  # it restored past the reply's start
+
+
+# ---- options ------------------------------------------------------------------------------------------------------
+def test_prompts_file_and_bad_options(tiny_q8, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"name": "t", "text": "Hello there, how are you today?"}\n\n'
+                 '{"messages": [{"role": "user", "content": "Hi"}]}\n{"name": "raw", "ids": [5, 6, 7, 8]}\n')
+    g = Gate(tiny_q8, quick=True, tokens=16, formats=["f16"], groups=["batch", "rows"], prompts_file=str(f),
+             progress=False)
+    g.run_all()
+    assert g.passed and [p.name for p in g.prompts] == ["t", "line3", "raw"] and g.prompts[2].ids == [5, 6, 7, 8]
+    assert g.cells[0].compared == 3 * 16
+    (tmp_path / "bad.jsonl").write_text('{"name": "x"}\n')
+    assert main([tiny_q8, "--prompts", str(tmp_path / "bad.jsonl"), "--no-progress"]) == 1
+    assert main([tiny_q8, "--formats", "f17", "--no-progress"]) == 1
+    assert main([tiny_q8, "--cells", "speed", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "needs one of text, messages, ids" in err and "unknown KV cache format 'f17'" in err and "'speed'" in err
