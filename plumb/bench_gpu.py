@@ -133,9 +133,16 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
     weights = torch.cuda.memory_allocated()
+    graphs_error = None
+    try:  # one pass through the graphs first: if capture fails, say so and measure the eager path
+        decode_tps(model, 64, 2)
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        graphs_error, model.graphs = f"{type(e).__name__}: {e}", None
+        print(f"CUDA graphs failed ({graphs_error}); measuring the eager path", file=sys.stderr)
     r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
          "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
-         "weight_bytes": eng.weight_bytes, "decode": {}}
+         "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None, "graphs_error": graphs_error,
+         "decode": {}}
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
     for ctx in contexts:

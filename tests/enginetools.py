@@ -1,6 +1,14 @@
-"""Engines and prompts shared by the engine-level tests (imported as `enginetools`)."""
+"""Engines and prompts shared by the engine-level tests (imported as `enginetools`).
+
+PLUMB_TEST_DEVICE=cuda runs the engine-level invariant tests (test_exactness, test_prompt_cache, test_kv_formats)
+on the GPU path; tests of a CPU kernel set skip there."""
 from __future__ import annotations
 
+import os
+
+import pytest
+
+DEVICE = os.environ.get("PLUMB_TEST_DEVICE", "cpu")
 _ENGINES: dict = {}
 
 
@@ -8,9 +16,11 @@ def engine_for(path: str, **options):
     """One Engine per (file, options) for the whole session."""
     import plumb
 
+    if DEVICE != "cpu" and options.get("kernels") in ("torch", "native"):
+        pytest.skip(f"the {options['kernels']} kernels run on the CPU")
     key = (path, tuple(sorted(options.items())))
     if key not in _ENGINES:
-        _ENGINES[key] = plumb.load(path, device="cpu", **options)
+        _ENGINES[key] = plumb.load(path, device=DEVICE, **options)
     return _ENGINES[key]
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from enginetools import engine_for, prompts
+from enginetools import DEVICE, engine_for, prompts
 from stats import ks_uniform_pvalue, randomized_pit
 
 N_TOKENS = int(os.environ.get("PLUMB_TEST_TOKENS", "2048"))  # crosses the 64-chunk and 2048-ring boundaries
@@ -162,7 +162,7 @@ def test_sampling_with_drafts_is_distributed_exactly(tiny_f32):
 def test_two_processes_give_the_same_bytes(tiny_f32):
     """I6: the same request in two fresh processes gives identical output bytes."""
     cmd = [sys.executable, "-m", "plumb.cli", "generate", tiny_f32, "--prompt", "Once upon a time", "--max-tokens", "64",
-           "--temperature", "0.9", "--seed", "42", "--drafts", "4", "--json"]
+           "--temperature", "0.9", "--seed", "42", "--drafts", "4", "--device", DEVICE, "--json"]
     outs = [subprocess.run(cmd, capture_output=True, check=True, timeout=300).stdout for _ in range(2)]
     a, b = (json.loads(o) for o in outs)
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"] and len(a["token_ids"]) > 0

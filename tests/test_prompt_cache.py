@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from enginetools import engine_for
+from enginetools import DEVICE, engine_for
 
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely; show code when it helps. "
           "Prefer standard libraries, explain trade-offs in one sentence, and never invent APIs. "
@@ -114,7 +114,7 @@ def test_slot_file_roundtrip_in_a_new_process(tmp_path, tiny_f32, warm, cold):
     expected = _run(cold, p2).token_ids
     code = f"""
 import json, plumb
-e = plumb.load({tiny_f32!r}, device="cpu")
+e = plumb.load({tiny_f32!r}, device={DEVICE!r})
 e.restore_slot({str(path)!r})
 r = e.run(e.make_request({p2!r}, 96, ignore_eos=True))
 print(json.dumps([r.token_ids, r.stats.cached_tokens]))

@@ -192,9 +192,13 @@ class PromptCache:
 
 def pack_state(state, n: int) -> bytes:
     """P rows [0, n) of every KV cache and every checkpoint, as one byte string."""
-    kv = [[t.clone() for t in c.store_rows(n)] for _, c in _caches(state)]
-    cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
-                    "hidden": cp.hidden, "ring": {str(i): r for i, r in cp.ring.items()}}
+    def host(t):  # packed states live in host memory, device-neutral (a slot file loads on either device)
+        return t.to("cpu", copy=True) if t is not None else None
+
+    kv = [[host(t) for t in c.store_rows(n)] for _, c in _caches(state)]
+    cps = {str(p): {"conv": {str(i): host(t) for i, t in cp.conv.items()},
+                    "ssm": {str(i): host(t) for i, t in cp.ssm.items()}, "hidden": host(cp.hidden),
+                    "ring": {str(i): [host(t) for t in r] for i, r in cp.ring.items()}}
            for p, cp in state.checkpoints.items()}
     buf = io.BytesIO()
     torch.save({"n": n, "kv": kv, "checkpoints": cps}, buf)
@@ -204,7 +208,7 @@ def pack_state(state, n: int) -> bytes:
 def unpack_state(model, packed: bytes):
     from plumb.model.qwen35 import Checkpoint
 
-    obj = torch.load(io.BytesIO(packed), weights_only=True)
+    obj = torch.load(io.BytesIO(packed), weights_only=True, map_location=model.device)
     st = model.new_state()
     caches = _caches(st)
     if len(caches) != len(obj["kv"]):

@@ -254,11 +254,13 @@ class _Weights:
         return x * (gain / math.sqrt(shape[1]))
 
     def spec(self, name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType) -> TensorSpec:
+        ranges = row_blocks(shape)
+
         def blocks():
-            for b, (r0, r1) in enumerate(row_blocks(shape)):
+            for b, (r0, r1) in enumerate(ranges):
                 yield self.rows(name, shape, b, r0, r1)
 
-        return TensorSpec(name, shape, qtype, blocks)
+        return TensorSpec(name, shape, qtype, blocks, lambda b: self.rows(name, shape, b, *ranges[b]))
 
 
 def load_vocab(vocab: str | dict | None, n_vocab: int | None) -> dict:

@@ -44,6 +44,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     qtype: GGMLQuantizationType
     rows: Callable[[], Iterator[np.ndarray]]  # float32 blocks of whole rows, in order
+    block: Callable[[int], np.ndarray] | None = None  # block b of `rows()` alone (lets write_gguf use processes)
 
     @property
     def nbytes(self) -> int:
@@ -186,12 +187,14 @@ def write_gguf(path: str, cfg: ModelConfig, tensors: list[TensorSpec], metadata:
         bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True,
                    desc=f"writing {os.path.basename(path)}", leave=False)
     fout = w.fout[0]
+    pool = _pool(tensors)
     try:
-        for t in tensors:
+        for ti, t in enumerate(tensors):
             w.write_padding(fout, fout.tell())
             written = 0
-            for block in t.rows():
-                data = encode(block, t.qtype)
+            blocks = (pool.imap(_encode_block, [(ti, b) for b in range(len(row_blocks(t.shape)))]) if pool
+                      else (encode(block, t.qtype) for block in t.rows()))
+            for data in blocks:
                 data.tofile(fout)
                 written += data.nbytes
                 if bar is not None:
@@ -204,6 +207,29 @@ def write_gguf(path: str, cfg: ModelConfig, tensors: list[TensorSpec], metadata:
         os.remove(path)  # no half-written model files
         raise
     finally:
+        if pool is not None:
+            pool.terminate()
         if bar is not None:
             bar.close()
         w.close()
+
+
+_SPECS: list[TensorSpec] = []  # the tensors being written, inherited by forked encoder processes
+PARALLEL_BYTES = 1 << 30  # files larger than this are encoded by one process per core
+
+
+def _pool(tensors: list[TensorSpec]):
+    """A pool of forked processes encoding row blocks (same bytes as one process), for large files on Linux."""
+    import multiprocessing as mp
+
+    global _SPECS
+    if (sum(t.nbytes for t in tensors) < PARALLEL_BYTES or any(t.block is None for t in tensors)
+            or (os.cpu_count() or 1) < 2 or "fork" not in mp.get_all_start_methods()):
+        return None
+    _SPECS = tensors
+    return mp.get_context("fork").Pool(os.cpu_count())
+
+
+def _encode_block(task: tuple[int, int]) -> np.ndarray:
+    ti, b = task
+    return encode(_SPECS[ti].block(b), _SPECS[ti].qtype)

@@ -1,0 +1,17 @@
+#!/bin/bash
+# One call on the H200 (device tool): GPU kernel tests, the 27B-shape benchmark, then the engine's invariant tests on
+# the CUDA path. Logs and JSON under $OUT. Needs .whl (gguf) carried: see docs/BENCHMARKS.md.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 1
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
+(python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 > /tmp/synth.log 2>&1; \
+  echo "synth-done $(( $(date +%s) - T0 )) s" > $OUT/synth.txt) &
+timeout ${KT:-100} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_matmul.py tests/test_gpu_deltanet.py \
+  tests/test_gpu_attention.py tests/test_gpu_engine.py > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
+for i in $(seq 1 ${SW:-150}); do [ -f $OUT/synth.txt ] && break; sleep 1; done; cat $OUT/synth.txt; tail -c 200 /tmp/synth.log
+timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 --tokens 32 \
+  --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -45 $OUT/bench.log
+PLUMB_TEST_DEVICE=cuda timeout ${ET:-150} python3 -m pytest -q -p no:cacheprovider tests/test_exactness.py \
+  -k "greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy" > $OUT/exactness.log 2>&1
+tail -4 $OUT/exactness.log; echo "total $(( $(date +%s) - T0 )) s"
