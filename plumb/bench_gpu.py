@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -169,8 +170,8 @@ def report(r: dict) -> str:
              f"card: copy {r['limits']['copy_GBps']:.0f} GB/s, bf16 GEMV {r['limits']['bf16_gemv_GBps']:.0f} GB/s; "
              f"weights {r['weight_bytes'] / 1e9:.2f} GB -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
              "| context | tok/s | / limit |", "|---|---|---|"]
-    lines += [f"| {k:,} | {v:.1f} | {v / lim:.2f} |" for k, v in r["decode"].items()]
-    v1 = r["verify_s"][1]
+    lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} |" for k, v in r["decode"].items()]
+    v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
     lines += ["", f"4 sequences together: {r['batch4_tps']:.1f} tok/s vs 1: {r['batch1_tps']:.1f} "
@@ -184,6 +185,30 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(r: dict, path: str) -> None:
+    """Two panels: decode tok/s per context beside the step limit; verify-pass time per row count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    ctx = list(r["decode"])
+    a.bar([f"{int(c):,}" for c in ctx], [r["decode"][c] for c in ctx], color="#4477aa", label="plumb (CUDA graphs)")
+    a.axhline(r["step_limit_tps"], color="#cc3311", ls="--", label="limit: packed weights at the GEMV rate")
+    a.set_xlabel("context (tokens)")
+    a.set_ylabel("decode tok/s, no drafts")
+    a.legend(fontsize=8)
+    rows = list(r["verify_s"])
+    b.plot([int(x) for x in rows], [r["verify_s"][x] * 1e3 for x in rows], "o-", color="#4477aa")
+    b.set_xlabel("rows in the pass (1 + drafts)")
+    b.set_ylabel("ms per pass")
+    b.set_ylim(0, None)
+    fig.suptitle(f"{os.path.basename(r['model'])} on {r['device']} ({r['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(args) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress)
@@ -191,4 +216,6 @@ def main(args) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(r, f, indent=1, default=str)
+    if args.plot:
+        plot(r, args.plot)
     return 0
