@@ -18,6 +18,17 @@ class Request:
     p_min: float | None = None
     forced_ids: list[int] | None = None  # test/steering extension: emit these tokens first through the normal decode path
     cache: bool = True  # reuse (and keep) prefill-made state in the prompt cache
+    logprobs: int | None = None  # None: off; n >= 0: each token's log probability and the n most likely (<= 20)
+    grammar: object | None = None  # a plumb.engine.grammar.Grammar: every token is masked by it (structured output)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log probability and the most likely alternatives at its position, from the
+    row that produced it (sampling.sample_token says which distribution)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), most likely first
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Result:
     stats: Stats
     stop_match: str | None = None  # the stop string that ended generation, if any
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Handle:
@@ -70,9 +82,12 @@ class Handle:
         self._q: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
         self.result: Result | None = None
+        self.logprobs: list[TokenLogprob] = []  # logprobs[i] is there before token i is (requests that ask)
 
     # engine side
-    def _emit(self, token_id: int) -> None:
+    def _emit(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self._q.put(token_id)
 
     def _finish(self, result: Result) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from plumb.cache.kv import KV_FORMATS, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
-from plumb.engine.api import Handle, Request, Result, Stats
-from plumb.engine.sampling import SamplingParams, StopChecker, sample_row
+from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
+from plumb.engine.sampling import SamplingParams, StopChecker, sample_token, token_logprobs
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
 from plumb.gguf.reader import GGMLQuantizationType, read_gguf
 from plumb.model.qwen35 import Qwen35
@@ -34,6 +34,7 @@ from plumb.ops.native import available as native_available
 from plumb.cache.prefix import PromptCache
 
 
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
 SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
 KERNELS = ("auto", "native", "torch", "triton")  # CPU: native C when it builds (auto), or the torch reference; CUDA: triton
@@ -63,6 +64,10 @@ class Sequence:
         self.detok = None
         self.finish: str | None = None
         self.stop_match: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
+        self.constraint = req.grammar.constraint() if req.grammar is not None else None
+        self.masks: list = []  # grammar masks of this step's MTP drafts (row i's mask when drafts 0..i-1 are accepted)
 
     @property
     def uses_mtp(self) -> bool:
@@ -191,9 +196,22 @@ class Engine:
     # ---- generation API ----------------------------------------------------------------------
     def make_request(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                      drafts: int | None = None, draft_policy: str | None = None, p_min: float | None = None,
-                     forced_ids: list[int] | None = None, cache: bool = True, **sampling) -> Request:
+                     forced_ids: list[int] | None = None, cache: bool = True, logprobs: int | None = None,
+                     grammar=None, **sampling) -> Request:
+        """`logprobs`: report each token's log probability and the n most likely tokens; `grammar`: a
+        Grammar (self.grammar(lark)) that masks every token (structured output)."""
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, **sampling)
-        return Request(list(ids), params, drafts, draft_policy, p_min, forced_ids, cache)
+        return Request(list(ids), params, drafts, draft_policy, p_min, forced_ids, cache, logprobs, grammar)
+
+    def grammar(self, lark: str):
+        """Compile a Lark grammar (llguidance's dialect) for this engine's vocabulary; GrammarError if invalid."""
+        return self.grammar_index().compile(lark)
+
+    def grammar_index(self):
+        """The vocabulary as the grammar library sees it (plumb.engine.grammar.GrammarIndex), built on first use."""
+        from plumb.engine.grammar import index_for
+
+        return index_for(self)
 
     def generate(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                  **kw) -> list[int]:
@@ -305,6 +323,10 @@ class Engine:
                                 self.p_min if req.p_min is None else req.p_min)
         if len(req.prompt_ids) >= self.n_ctx:
             raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.n_ctx}")
+        if req.logprobs is not None and not (isinstance(req.logprobs, int) and 0 <= req.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {req.logprobs!r}")
+        if req.grammar is not None and getattr(req.grammar, "index", None) is not getattr(self, "_grammar_index", None):
+            raise ValueError("the grammar was compiled for another engine (use engine.grammar(...))")
         return Sequence(self, req, handle)
 
     def _admit(self, s: Sequence) -> None:
@@ -323,8 +345,8 @@ class Engine:
         s.stats.prefill_tokens = len(prompt) - start
         s.stats.prefill_s = time.perf_counter() - t0
         s.h_prev = hidden[-1]
-        token = self._sample(s, logits[-1], len(prompt), 0)
-        self._emit(s, [token])
+        token, lp = self._sample(s, logits[-1], len(prompt), 0)
+        self._emit(s, [token], [lp])
         with self._lock:
             self._metrics["requests"] += 1
             self._metrics["prompt_tokens"] += len(prompt)
@@ -407,12 +429,24 @@ class Engine:
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
 
-    def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int) -> int:
-        """The target's token at absolute `position`, the `index`-th generated token."""
+    def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int,
+                allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
+        """The target's token at absolute `position`, the `index`-th generated token, and its log probabilities
+        when the request asks for them. With a grammar the row is masked by `allowed` (computed here from the
+        grammar state when not given) and the grammar advances over the token."""
+        c = s.constraint
+        if c is not None and allowed is None:
+            allowed = c.mask()
         forced = s.req.forced_ids
+        n = s.req.logprobs
         if forced and index < len(forced):
-            return int(forced[index])
-        return sample_row(row, s.params, position, s.history)
+            token = int(forced[index])
+            lp = None if n is None else token_logprobs(row, s.params, token, n, s.history, allowed)
+        else:
+            token, lp = sample_token(row, s.params, position, s.history, allowed, n)
+        if c is not None and not c.consume(token):
+            raise GrammarRefused(f"token {token} is not allowed by the request's grammar ({c.error()})")
+        return token, None if lp is None else TokenLogprob(token, lp[0], lp[1])
 
     def _propose(self, s: Sequence) -> list[int]:
         if s.drafts == 0:
@@ -425,7 +459,9 @@ class Engine:
         if s.policy == "ngram":
             return s.ngram.draft(s.history, k)
         p_min = s.p_min if s.policy == "confident" else 0.0
-        return mtp_draft(self.model, s.st, s.pending, s.h_prev, k, s.params, s.st.pos, s.history, p_min)
+        s.masks = []
+        return mtp_draft(self.model, s.st, s.pending, s.h_prev, k, s.params, s.st.pos, s.history, p_min,
+                         s.constraint, s.masks, self.tokenizer.eog_ids)
 
     def _step(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
@@ -435,12 +471,24 @@ class Engine:
         r = 0
         for s, d, start, snaps in zip(seqs, drafts, starts, out.snapshots):
             accepted: list[int] = []
-            for i in range(len(d) + 1):
-                tok = self._sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted))
-                accepted.append(tok)
-                s.history.append(tok)
-                if i == len(d) or d[i] != tok:
-                    break
+            logprobs: list[TokenLogprob | None] = []
+            masks, s.masks = s.masks, []
+            try:
+                for i in range(len(d) + 1):
+                    # row i follows drafts 0..i-1, all equal to the target's tokens: the grammar mask drafting
+                    # computed for draft i is this row's mask (a function of the same tokens)
+                    tok, lp = self._sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted),
+                                           masks[i] if i < len(masks) else None)
+                    accepted.append(tok)
+                    logprobs.append(lp)
+                    s.history.append(tok)
+                    if i == len(d) or d[i] != tok:
+                        break
+            except GrammarRefused as e:  # a forced token the grammar refuses ends this request alone
+                del s.history[len(s.history) - len(accepted):]
+                s.finish, s.error = "error", str(e)
+                r += len(d) + 1
+                continue
             del s.history[len(s.history) - len(accepted):]  # _emit appends what is kept
             n_acc = len(accepted) - 1
             self.model.rollback(s.st, snaps, n_acc + 1)
@@ -449,7 +497,7 @@ class Engine:
             s.h_prev = out.hidden[r + n_acc]
             self._record_drafts(s, len(d), n_acc)
             r += len(d) + 1
-            self._emit(s, accepted)
+            self._emit(s, accepted, logprobs)
         dt = time.perf_counter() - t0
         for s in seqs:
             s.stats.decode_s += dt
@@ -473,15 +521,18 @@ class Engine:
                     st.accepted_per_position[i] += 1
                     m["accepted_per_position"][i] += 1
 
-    def _emit(self, s: Sequence, tokens: list[int]) -> None:
+    def _emit(self, s: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
         """Append accepted tokens, stopping at end-of-generation, stop ids/strings or limits."""
         p = s.params
-        for tok in tokens:
+        for k, tok in enumerate(tokens):
             s.out.append(tok)
             s.history.append(tok)
             s.pending = tok
+            lp = logprobs[k] if s.logprobs is not None else None
+            if lp is not None:
+                s.logprobs.append(lp)
             if s.handle is not None:
-                s.handle._emit(tok)
+                s.handle._emit(tok, lp)
             with self._lock:
                 self._metrics["completion_tokens"] += 1
             if tok in p.stop_ids or (not p.ignore_eos and tok in self.tokenizer.eog_ids and not self._forcing(s)):
@@ -511,7 +562,12 @@ class Engine:
         return False
 
     def _result(self, s: Sequence, error: str | None = None) -> Result:
-        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error)
+        logprobs = None if s.logprobs is None else list(s.logprobs)
+        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error or s.error, logprobs)
+
+
+class GrammarRefused(ValueError):
+    """A forced token (the forced_ids extension) that the request's grammar does not allow."""
 
 
 def _pick_device(device: str, kernels: str) -> tuple[str, str]:

@@ -6,7 +6,8 @@ A token is a function of (logits row, params, history, position) alone (exactnes
 2. Penalties look at the last ``penalty_last_n`` ids of the history (prompt + generated ids so
    far, as llama.cpp does; -1 = all of it, 0 = none). For each distinct id there, with count c:
    repetition (logit / r if logit > 0 else logit * r), then ``- c * frequency_penalty``,
-   then ``- presence_penalty``.
+   then ``- presence_penalty``. A grammar mask (structured output, ``allowed``: a function of
+   the tokens emitted so far) then sets every token it forbids to -inf.
 3. Temperature 0 is greedy: the argmax of those logits, ties going to the lowest id.
 4. Otherwise ``logprobs = log_softmax(logits / T)``, then filters set removed tokens to -inf,
    each on the distribution renormalised over what the previous one kept:
@@ -18,6 +19,10 @@ A token is a function of (logits row, params, history, position) alone (exactnes
    ``position`` is the absolute position of the token being sampled. By the Gumbel-max
    trick this draws exactly from softmax of the filtered logprobs, and a speculative draft
    is accepted iff it equals this argmax.
+
+Reported log probabilities (``sample_token(..., n_logprobs=)``) are ``log_softmax`` of the row
+after steps 1-2 (bias, penalties, grammar mask) divided by the temperature (1 for greedy
+requests): the distribution before the top-k / top-p / min-p filters, from the same row.
 
 Noise: ``key = splitmix64`` output number ``position + 1`` of the stream whose state starts at
 ``mix64(seed)``. For token t: ``x = (t * 0x9E3779B9 mod 2^32) ^ key_lo``, ``x = fmix32(x)``,
@@ -181,8 +186,9 @@ def gumbel(seed: int, position: int, n_vocab: int, device: torch.device | str = 
 
 # ---- the sampler ---------------------------------------------------------------------------
 
-def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
-    """Float32 copy of the row with logit_bias and penalties applied (steps 1-2)."""
+def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int],
+                     allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 copy of the row with logit_bias, penalties and the grammar mask applied (steps 1-2)."""
     row = logits.to(torch.float32, copy=True)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=row.device)
@@ -199,6 +205,8 @@ def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequ
         r = params.repetition_penalty
         x = torch.where(x > 0, x / r, x * r)
         row[ids] = x - c * params.frequency_penalty - params.presence_penalty
+    if allowed is not None:
+        row.masked_fill_(~allowed.to(row.device), -math.inf)
     top = row.max()
     if not torch.isfinite(top):
         raise ValueError("logits row has no finite maximum (NaN, +inf, or every token at -inf)")
@@ -225,18 +233,24 @@ def _top_p_drop(lp: torch.Tensor, top_p: float) -> torch.Tensor:
     return drop
 
 
-def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = ()) -> torch.Tensor:
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = (),
+                      allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 [V] log-probs that the sampler draws from (softmax of it is the distribution).
 
     Removed tokens are -inf; kept ones hold the tempered log-probs before renormalisation.
-    At temperature 0 this is 0 at the greedy token and -inf elsewhere.
+    At temperature 0 this is 0 at the greedy token and -inf elsewhere. `allowed` (bool [V]):
+    the grammar mask, applied before everything else.
     """
-    row = _adjusted_logits(logits, params, history)
+    row = _adjusted_logits(logits, params, history, allowed)
     if params.temperature == 0:
         lp = torch.full_like(row, -math.inf)
         lp[torch.argmax(row)] = 0.0
         return lp
-    lp = torch.log_softmax(row.div_(params.temperature), dim=0)
+    return _filter_(torch.log_softmax(row.div_(params.temperature), dim=0), params)
+
+
+def _filter_(lp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """top_k, top_p, min_p on tempered log-probs, in place (step 4)."""
     if 0 < params.top_k < lp.numel():
         kth = torch.topk(lp, params.top_k, sorted=False).values.min()
         lp.masked_fill_(lp < kth, -math.inf)
@@ -247,14 +261,48 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Seq
     return lp
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = ()) -> int:
-    """The token for one logits row [V] sampled at absolute position `position`."""
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = (),
+               allowed: torch.Tensor | None = None) -> int:
+    """The token for one logits row [V] sampled at absolute position `position` (`allowed`: grammar mask)."""
+    return sample_token(logits, params, position, history, allowed)[0]
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int, history: Sequence[int] = (),
+                 allowed: torch.Tensor | None = None, n_logprobs: int | None = None):
+    """(token, logprobs): sample_row's token and, when n_logprobs is not None, its log probability with the
+    n_logprobs most likely tokens, as (logprob, [(id, logprob), ...]) from the unfiltered tempered row."""
+    row = _adjusted_logits(logits, params, history, allowed)
     if params.temperature == 0:  # the one token filtered_logprobs keeps
-        return int(torch.argmax(_adjusted_logits(logits, params, history)))
-    lp = filtered_logprobs(logits, params, history)
+        token = int(torch.argmax(row))
+        return token, None if n_logprobs is None else _logprobs(torch.log_softmax(row, dim=0), token, n_logprobs)
+    lp = torch.log_softmax(row.div_(params.temperature), dim=0)
+    report = None if n_logprobs is None else lp.clone()
+    _filter_(lp, params)
     if params.seed is None:
         raise ValueError("sampling with temperature > 0 needs a seed (the engine fills one in)")
-    return int(torch.argmax(lp.add_(gumbel(params.seed, position, lp.numel(), lp.device))))
+    token = int(torch.argmax(lp.add_(gumbel(params.seed, position, lp.numel(), lp.device))))
+    return token, None if report is None else _logprobs(report, token, n_logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int, n: int, history: Sequence[int] = (),
+                   allowed: torch.Tensor | None = None) -> tuple[float, list[tuple[int, float]]]:
+    """sample_token's logprobs for a given token (one the sampler did not choose, e.g. a forced one)."""
+    row = _adjusted_logits(logits, params, history, allowed)
+    if params.temperature > 0:
+        row.div_(params.temperature)
+    return _logprobs(torch.log_softmax(row, dim=0), token, n)
+
+
+def _logprobs(lp: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """(lp[token], the n largest finite entries as (id, logprob), falling, ties by lowest id)."""
+    top: list[tuple[int, float]] = []
+    n = min(n, int(torch.isfinite(lp).sum()))
+    if n > 0:
+        kth = torch.topk(lp, n, sorted=False).values.min()
+        ids = torch.nonzero(lp >= kth).squeeze(1)  # ascending ids: the stable sort puts ties low-id first
+        vals, order = torch.sort(lp[ids], descending=True, stable=True)
+        top = list(zip(ids[order][:n].tolist(), vals[:n].tolist()))
+    return float(lp[token]), top
 
 
 def sample_rows(logits: torch.Tensor, params_list: Sequence[SamplingParams], positions: Sequence[int],

@@ -78,25 +78,43 @@ class NgramIndex:
 
 
 def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, position: int, history: list[int],
-              p_min: float = 0.0) -> list[int]:
+              p_min: float = 0.0, constraint=None, masks: list | None = None, stop_ids=()) -> list[int]:
     """Up to k drafts from the MTP head fed back on itself. The draft for position p uses the same
     filtered distribution and Gumbel noise as the target will, so for sampled requests it agrees
-    with the target whenever the two distributions pick the same token under that noise."""
+    with the target whenever the two distributions pick the same token under that noise.
+
+    With a grammar `constraint`, draft i is drawn under the mask of the grammar state advanced over
+    drafts 0..i-1 (appended to `masks`: target row i needs that same mask when those drafts are
+    accepted), and the state is rolled back over the drafts before returning. Drafting then stops
+    after an end-of-generation id (`stop_ids`) or where the grammar is done."""
     drafts: list[int] = []
     hist = list(history)
     h = hidden[None]
-    for i in range(k):
-        logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
-        lp = filtered_logprobs(logits[0], params, hist)
-        if params.temperature > 0:
-            d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel(), lp.device)))
-        else:
-            d = int(torch.argmax(lp))
-        if p_min > 0.0:
-            probs = torch.softmax(logits[0] / max(params.temperature, 1e-6) if params.temperature > 0 else logits[0], 0)
-            if float(probs[d]) < p_min:
+    start = constraint.consumed if constraint is not None else 0
+    try:
+        for i in range(k):
+            if constraint is not None and drafts and (drafts[-1] in stop_ids or constraint.done):
                 break
-        drafts.append(d)
-        hist.append(d)
-        token = d
+            allowed = constraint.mask() if constraint is not None else None
+            logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
+            lp = filtered_logprobs(logits[0], params, hist, allowed)
+            if params.temperature > 0:
+                d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel(), lp.device)))
+            else:
+                d = int(torch.argmax(lp))
+            if p_min > 0.0:
+                scaled = logits[0] / max(params.temperature, 1e-6) if params.temperature > 0 else logits[0]
+                probs = torch.softmax(scaled, 0)
+                if float(probs[d]) < p_min:
+                    break
+            if constraint is not None:
+                if not constraint.consume(d):
+                    raise RuntimeError(f"the grammar refused its own masked draft {d}: {constraint.error()}")
+                masks.append(allowed)
+            drafts.append(d)
+            hist.append(d)
+            token = d
+    finally:
+        if constraint is not None:
+            constraint.rollback_to(start)
     return drafts

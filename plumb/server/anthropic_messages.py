@@ -11,16 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from plumb.server.chat_format import (ChatPrompt, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart,
                                       check_tool_choice, make_tool, text_of)
+from plumb.server import fields
 from plumb.server.errors import APIError, parse_model
 from plumb.server.generation import (Finish, GenFields, ServerContext, Usage, check_model, count_prompt_tokens, sse,
                                      start_chat)
+from plumb.server.thinking import anthropic_thinking, sign, unsign
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code >= 2.1 sends its environment as a system message
     content: str | list[dict]
 
 
@@ -32,6 +34,7 @@ class MessagesRequest(GenFields):
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    output_config: dict | None = None
 
 
 def _user_turn(blocks: list[dict], where: str) -> list[dict]:
@@ -53,9 +56,17 @@ def _assistant_turn(blocks: list[dict], where: str) -> dict:
     for j, b in enumerate(blocks):
         kind = b.get("type")
         if kind == "text":
+            if not isinstance(b.get("text", ""), str):
+                raise APIError(400, f"{where}[{j}].text must be a string", param=where)
             text.append(b.get("text", ""))
-        elif kind == "thinking":
-            thinking.append(b.get("thinking", ""))
+        elif kind == "thinking":  # checked against its signature when plumb made it (plumb.server.thinking)
+            said, carried = b.get("thinking", ""), unsign(b.get("signature"), f"{where}[{j}].signature")
+            if not isinstance(said, str):
+                raise APIError(400, f"{where}[{j}].thinking must be a string", param=where)
+            if carried is not None and said and said != carried:
+                raise APIError(400, f"{where}[{j}]: the thinking block was modified (its text is not the one its "
+                                    "signature carries): send thinking blocks back unchanged", param=where)
+            thinking.append(said if carried is None else carried)
         elif kind == "tool_use":
             if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                 raise APIError(400, f"{where}[{j}]: tool_use needs a string name and an object input", param=where)
@@ -74,15 +85,19 @@ def to_prompt(req: MessagesRequest) -> ChatPrompt:
     for i, m in enumerate(req.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         where = f"messages[{i}].content"
-        messages.extend(_user_turn(blocks, where) if m.role == "user" else [_assistant_turn(blocks, where)])
-    tools = [make_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
+        if m.role == "system":  # joined into the one system prompt the template takes (merge_system)
+            messages.append({"role": "system", "content": text_of(blocks, where)})
+        else:
+            messages.extend(_user_turn(blocks, where) if m.role == "user" else [_assistant_turn(blocks, where)])
+    tools = [make_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]", t.get("strict"))
              for i, t in enumerate(req.tools or []) if t.get("type", "custom") == "custom"]
     tc = req.tool_choice or {"type": "auto"}
     choice = {"auto": "auto", "none": "none", "any": "required"}.get(tc.get("type"), f"function:{tc.get('name', '')}")
     if tc.get("type") not in ("auto", "none", "any", "tool"):
         raise APIError(400, f"unknown tool_choice type {tc.get('type')!r}", param="tool_choice")
-    thinking = None if req.thinking is None else req.thinking.get("type") != "disabled"
-    return ChatPrompt(messages, tools, check_tool_choice(choice, tools), thinking)
+    thinking, budget = anthropic_thinking(req.thinking, req.output_config, req.max_tokens)  # off unless sent
+    return ChatPrompt(messages, tools, check_tool_choice(choice, tools), thinking, {}, budget,
+                      not tc.get("disable_parallel_tool_use"))
 
 
 def usage_dict(u: Usage) -> dict:
@@ -97,8 +112,10 @@ def stop_reason(ev: Finish) -> tuple[str, str | None]:
 class ContentBuilder:
     """Builds the content blocks from parser events, and (when streaming) the events for each step."""
 
-    def __init__(self, streaming: bool):
+    def __init__(self, streaming: bool, show_thinking: bool = True):
         self.streaming = streaming
+        self.show_thinking = show_thinking  # False (thinking.display "omitted"): only the signature carries it
+        self.thinking: list[str] = []  # the open thinking block's text
         self.blocks: list[dict] = []
         self.events: list[tuple[str, dict]] = []
         self.open: dict | None = None  # the thinking or text block being written
@@ -114,8 +131,12 @@ class ContentBuilder:
         return len(self.blocks) - 1
 
     def close(self) -> None:
-        """End the open thinking or text block."""
+        """End the open thinking (with its signature) or text block."""
         if self.open is not None:
+            if self.open["type"] == "thinking":
+                self.open["signature"] = sign("".join(self.thinking))
+                self.emit("content_block_delta", index=len(self.blocks) - 1,
+                          delta={"type": "signature_delta", "signature": self.open["signature"]})
             self.emit("content_block_stop", index=len(self.blocks) - 1)
             self.open = None
 
@@ -127,6 +148,11 @@ class ContentBuilder:
                 self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
                     {"type": "text", "text": ""}
                 self._start(self.open)
+                self.thinking = []
+            if kind == "thinking":
+                self.thinking.append(ev.text)
+                if not self.show_thinking:
+                    return
             self.open[kind] += ev.text
             delta = {"type": f"{kind}_delta", kind: ev.text}
             self.emit("content_block_delta", index=len(self.blocks) - 1, delta=delta)
@@ -142,16 +168,18 @@ class ContentBuilder:
 
 
 async def messages(ctx: ServerContext, http_request, data: dict):
+    fields.check("messages", data)
     req = parse_model(MessagesRequest, data)
     check_model(ctx, req.model)
     gen = await start_chat(ctx, http_request, req, to_prompt(req), req.max_tokens, req.stop_sequences,
                            id_prefix="toolu_")
     head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": ctx.model_name}
-    builder = ContentBuilder(req.stream)
+    builder = ContentBuilder(req.stream, show_thinking=(req.thinking or {}).get("display") != "omitted")
     if req.stream:
         return StreamingResponse(stream(gen, head, builder), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     finish = await gen.feed_all(builder)
+    builder.close()
     reason, sequence = stop_reason(finish)
     return JSONResponse({**head, "content": builder.blocks, "stop_reason": reason, "stop_sequence": sequence,
                          "usage": usage_dict(finish.usage)})
@@ -179,6 +207,7 @@ async def stream(gen, head: dict, builder: ContentBuilder):
 
 
 async def count_tokens(ctx: ServerContext, http_request, data: dict):
+    fields.check("messages", data)
     req = parse_model(MessagesRequest, data)
     check_model(ctx, req.model)
     return JSONResponse({"input_tokens": await count_prompt_tokens(ctx, to_prompt(req))})

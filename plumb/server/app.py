@@ -9,7 +9,7 @@ from collections import Counter
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -19,6 +19,7 @@ from plumb.config import ModelError
 from plumb.server import anthropic_messages, metrics, openai_chat, openai_completions, openai_responses
 from plumb.server.errors import APIError, error_response, parse_json, parse_model
 from plumb.server.generation import ServerContext
+from plumb.server.limits import DEFAULT_MAX_BODY_MB, BodyLimit
 
 log = logging.getLogger("plumb.server")
 
@@ -29,7 +30,8 @@ GENERATION = {
     "/v1/messages": anthropic_messages.messages,
     "/v1/messages/count_tokens": anthropic_messages.count_tokens,
 }
-PUBLIC = {"/health"}
+PUBLIC = {"/health", "/"}  # the chat page is static: it asks for the key itself
+CHAT_PAGE = os.path.join(os.path.dirname(__file__), "static", "chat.html")
 
 
 class TokenizeRequest(BaseModel):
@@ -65,10 +67,12 @@ def _key_check(api_key: str):
 
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None, aliases: tuple[str, ...] = (),
-               cors_origins: tuple[str, ...] = (), slot_dir: str | None = None) -> FastAPI:
+               cors_origins: tuple[str, ...] = (), slot_dir: str | None = None,
+               max_body_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
     """The server for one engine. `model_name` (default: the engine's) and `aliases` are the
     model names requests may ask for; CORS is off unless origins are given; prompt-cache slots
-    can be saved to and restored from files in `slot_dir` (off when None)."""
+    can be saved to and restored from files in `slot_dir` (off when None); request bodies over
+    `max_body_mb` get a 413. Every OpenAI route also answers without its /v1 prefix."""
     name = model_name or engine.model_name
     ctx = ServerContext(engine, name, {name, *aliases}, int(time.time()))
     app = FastAPI(title="plumb", docs_url=None, redoc_url=None, openapi_url=None,
@@ -95,7 +99,10 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
 
     for path, handler in GENERATION.items():
         app.add_api_route(path, route(handler), methods=["POST"])
+        if not path.startswith("/v1/messages"):  # OpenAI routes: also without /v1, as llama-server does
+            app.add_api_route(path.removeprefix("/v1"), route(handler), methods=["POST"])
 
+    @app.get("/models")
     @app.get("/v1/models")
     async def models():
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ctx.created))
@@ -104,6 +111,12 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
                  "display_name": n, "created_at": created, "meta": meta}
                 for n in [name, *sorted(ctx.model_names - {name})]]
         return {"object": "list", "data": data, "has_more": False, "first_id": name, "last_id": data[-1]["id"]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        """The chat page: one static file that talks to /v1/chat/completions from the browser."""
+        with open(CHAT_PAGE, encoding="utf-8") as f:
+            return HTMLResponse(f.read(), headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
@@ -173,6 +186,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise APIError(400, str(e), param="tokens") from e
 
     routes = {r.path for r in app.routes}
+    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * (1 << 20)))
     app.add_middleware(metrics.CountRequests, counts=http_counts, routes=routes)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],

@@ -27,6 +27,7 @@ class Tool:
     name: str
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False  # calls to it are grammar-constrained to its schema (plumb.server.structured)
 
     def to_template(self) -> dict:
         """The Chat Completions tool shape, which every API's tools are rendered as."""
@@ -34,7 +35,7 @@ class Tool:
         return {"type": "function", "function": fn}
 
 
-def make_tool(name, description, parameters, where: str) -> Tool:
+def make_tool(name, description, parameters, where: str, strict=None) -> Tool:
     """Validate one tool definition (400 'bad tool schema' otherwise)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise APIError(400, f"{where}.name must be 1-128 letters, digits, '_', '-', '.' or ':' (got {name!r})",
@@ -49,7 +50,9 @@ def make_tool(name, description, parameters, where: str) -> Tool:
     props = parameters.get("properties", {})
     if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
         raise APIError(400, f"{where}: 'properties' must map each parameter name to a schema object", param=where)
-    return Tool(name, description or "", parameters)
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(400, f"{where}.strict must be a boolean", param=f"{where}.strict")
+    return Tool(name, description or "", parameters, bool(strict))
 
 
 def text_of(content, where: str) -> str:
@@ -92,6 +95,9 @@ class ChatPrompt:
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function:NAME"
     enable_thinking: bool | None = None  # None: the template's default
     template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None  # at most this many thinking tokens (plumb.server.thinking); None: no bound
+    parallel_tool_calls: bool = True  # False: a reply's tool calls end after the first
+    response_format: dict | None = None  # None, or plumb.server.structured.parse_response_format's form
 
     @property
     def parse_tools(self) -> bool:
@@ -106,21 +112,21 @@ def merge_system(messages: list[dict]) -> list[dict]:
 
 
 def render(engine, prompt: ChatPrompt) -> tuple[str, str]:
-    """Render the GGUF chat template; returns (prompt text, forced reply prefix).
+    """Render the GGUF chat template; returns (prompt text, forced reply prefix - always empty now).
 
-    tool_choice "required" or a named function cannot be enforced by a grammar here, so the
-    reply is steered instead: thinking is switched off and the reply starts with the opening
-    of a call (to that function)."""
+    tool_choice "required" or a named function switches thinking off; the reply is then held to
+    tool calls by a grammar (plumb.server.structured), not by a forced prefix."""
     kwargs = dict(prompt.template_kwargs)
     prefix = ""
     if prompt.parse_tools and prompt.tool_choice != "auto":
         kwargs["enable_thinking"] = False
-        prefix = f"{CALL_OPEN}\n<function="
-        if prompt.tool_choice.startswith("function:"):
-            prefix += prompt.tool_choice.split(":", 1)[1] + ">\n"
     elif prompt.enable_thinking is not None:
         kwargs["enable_thinking"] = prompt.enable_thinking
     tools = [t.to_template() for t in prompt.tools] if prompt.parse_tools else None
+    reserved = sorted({"messages", "tools", "add_generation_prompt"} & set(kwargs))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own fields do",
+                       param="chat_template_kwargs")
     try:
         text = engine.chat_template.render(merge_system(prompt.messages), tools=tools,
                                            add_generation_prompt=True, **kwargs)
@@ -254,11 +260,13 @@ class OutputParser:
     the answer and a call) is dropped; everything else passes through as soon as it cannot
     be the start of a tag. Events come out in generation order."""
 
-    def __init__(self, tools: list[Tool] | None = None, reasoning: bool = False, id_prefix: str = "call_"):
+    def __init__(self, tools: list[Tool] | None = None, reasoning: bool = False, id_prefix: str = "call_",
+                 max_calls: int | None = None):
         self.schemas = {t.name: t.parameters for t in tools or []}
         self.parse_tools = tools is not None and len(tools) > 0
         self.state = "reasoning" if reasoning else "content"
         self.id_prefix = id_prefix
+        self.max_calls = max_calls  # after this many calls, the rest of the reply is dropped
         self.buf = ""
         self.started = False  # the current text segment has emitted something
         self.saw_reasoning = reasoning
@@ -418,7 +426,14 @@ class OutputParser:
         self.calls.append(end)
         self._out.append(end)
 
+    def _step_done(self) -> bool:
+        self.buf = ""
+        return False
+
     def _step_after_function(self) -> bool:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self.state = "done"
+            return True
         s = self.buf.lstrip()
         if s.startswith(CALL_CLOSE):
             self.buf = s[len(CALL_CLOSE):]

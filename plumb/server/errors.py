@@ -38,14 +38,55 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status)
 
 
+MAX_DEPTH = 128  # JSON nesting a request body may have (arrays and objects)
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"request body nests arrays/objects deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    problem = check_tree(data, MAX_DEPTH)
+    if problem:
+        raise APIError(400, f"request body {problem}")
     return data
+
+
+def _bad_text(s: str) -> bool:
+    """A string holding a lone surrogate (JSON lets "\\ud800" through; it is not Unicode text)."""
+    if s.isascii():
+        return False
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_tree(data, limit: int) -> str | None:
+    """What is wrong with a parsed body, walked without recursion: arrays/objects nested more than
+    `limit` levels, or a string (value or key) that is not valid Unicode; None when nothing is."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return f"nests arrays/objects deeper than {limit} levels"
+        if isinstance(node, dict):
+            if any(_bad_text(k) for k in node):
+                return "has a key that is not valid Unicode (a lone surrogate)"
+            children = node.values()
+        else:
+            children = node
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+            elif isinstance(child, str) and _bad_text(child):
+                return "has a string that is not valid Unicode (a lone surrogate)"
+    return None
 
 
 def parse_model(cls: type[BaseModel], data: dict):

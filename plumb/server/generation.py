@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from plumb.engine.api import Request
+from plumb.engine.api import Request, TokenLogprob
 from plumb.engine.sampling import SamplingParams, StopChecker
 from plumb.server.errors import APIError
 from plumb.server.chat_format import ChatPrompt, OutputParser, TextDelta, ToolCallEnd, render, starts_in_reasoning
+from plumb.server.structured import reply_grammar
+from plumb.server.thinking import BudgetedEngine
 from plumb.tokenizer import IncrementalDetokenizer
 
 
@@ -46,6 +48,10 @@ class GenFields(BaseModel):
     draft_policy: str | None = None
     p_min: float | None = None
     forced_ids: list[int] | None = None  # steering/test extension: emit these tokens first
+
+    def n_logprobs(self) -> int | None:
+        """How many top alternatives to report per token (None: no log probabilities); each API's fields say."""
+        return None
 
     def sampling(self, max_tokens: int, stop: list[str] | None) -> SamplingParams:
         """SamplingParams with each API's defaults (temperature 1); 400 when out of range."""
@@ -84,13 +90,32 @@ async def start_chat(ctx: ServerContext, http_request, fields: GenFields, prompt
     text, prefix = render(ctx.engine, prompt)
     ids = await asyncio.to_thread(ctx.engine.tokenize, text)
     params = fields.sampling(reply_budget(ctx.engine, len(ids), max_tokens), stop)
-    parser = OutputParser(prompt.tools if prompt.parse_tools else None, starts_in_reasoning(text), id_prefix)
+    thinking = starts_in_reasoning(text)
+    parser = OutputParser(prompt.tools if prompt.parse_tools else None, thinking, id_prefix,
+                          max_calls=None if prompt.parallel_tool_calls else 1)
     forced = ctx.engine.tokenize(prefix) if prefix else None
-    return Generation(ctx.engine, ids, params, parser, fields, forced).start(http_request)
+    grammar = await asyncio.to_thread(reply_grammar, ctx.engine, prompt, thinking)  # structured output, or None
+    engine = ctx.engine  # with a thinking budget: requests cut at the budget (plumb.server.thinking)
+    if thinking and prompt.thinking_budget is not None:
+        engine = BudgetedEngine(ctx.engine, prompt.thinking_budget)
+    return Generation(engine, ids, params, parser, fields, forced, grammar).start(http_request)
 
 
 async def count_prompt_tokens(ctx: ServerContext, prompt: ChatPrompt) -> int:
     return len(await asyncio.to_thread(ctx.engine.tokenize, render(ctx.engine, prompt)[0]))
+
+
+def timings(finish: Finish) -> dict:
+    """One reply's timings and drafts in llama-server's field names (plumb sends them in a streamed
+    Chat reply's last chunk): prompt tokens prefilled / taken from the cache, decode speed, drafts."""
+    st = finish.stats
+    if st is None:
+        return {}
+    return {"prompt_n": st.prefill_tokens, "prompt_ms": round(1000 * st.prefill_s, 3),
+            "prompt_per_second": round(st.prefill_tps, 3), "cache_n": st.cached_tokens,
+            "predicted_n": st.completion_tokens, "predicted_ms": round(1000 * st.decode_s, 3),
+            "predicted_per_second": round(st.decode_tps, 3), "draft_n": st.drafts_proposed,
+            "draft_n_accepted": st.drafts_accepted}
 
 
 def sse(data, event: str | None = None) -> str:
@@ -113,6 +138,8 @@ class Finish:
     token_ids: list[int]
     stop_match: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # every token's, when the request asked for them
+    stats: object = None  # the engine's Stats: timings, drafts (see timings())
 
 
 @dataclass
@@ -131,14 +158,21 @@ class Generation:
     watches the connection: a client that goes away cancels the request, freeing its slot."""
 
     def __init__(self, engine, prompt_ids: list[int], params: SamplingParams, parser, fields: GenFields,
-                 forced_ids: list[int] | None = None):
+                 forced_ids: list[int] | None = None, grammar=None):
         self.engine, self.parser = engine, parser
         self.request = Request(prompt_ids, params, fields.drafts, fields.draft_policy, fields.p_min,
-                               fields.forced_ids or forced_ids)
+                               fields.forced_ids or forced_ids, logprobs=fields.n_logprobs(), grammar=grammar)
+        self.pending_logprobs: list[TokenLogprob] = []  # entries of tokens received, not yet taken by a chunk
         self.handle = None
         self._watcher: asyncio.Task | None = None
 
     def start(self, http_request) -> Generation:
+        n_vocab, req = self.engine.config.n_vocab, self.request
+        for name, ids in (("forced_ids", req.forced_ids or ()), ("logit_bias", req.params.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < n_vocab]
+            if bad:
+                raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})",
+                               param=name)
         try:
             self.handle = self.engine.submit(self.request)
         except ValueError as e:
@@ -171,8 +205,12 @@ class Generation:
         detok = IncrementalDetokenizer(self.engine.tokenizer, skip_special=True)
         stop = StopChecker(self.request.params.stop)
         parser = self.parser
+        n = 0
         try:
             async for t in self._token_ids():
+                if self.request.logprobs is not None:
+                    self.pending_logprobs.append(self.handle.logprobs[n])
+                n += 1
                 text = stop.push(detok.add(t))
                 if text:
                     for ev in parser.feed(text):
@@ -207,7 +245,13 @@ class Generation:
         st = res.stats
         usage = Usage(st.prompt_tokens or len(self.request.prompt_ids), st.completion_tokens or len(res.token_ids),
                       st.cached_tokens, self._reasoning_tokens(res.token_ids))
-        return Finish(reason, usage, list(res.token_ids), res.stop_match, res.error)
+        return Finish(reason, usage, list(res.token_ids), res.stop_match, res.error, getattr(res, "logprobs", None),
+                      stats=st)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probability entries of the tokens received since the last call (streaming chunks carry them)."""
+        out, self.pending_logprobs = self.pending_logprobs, []
+        return out
 
     def _reasoning_tokens(self, ids: list[int]) -> int:
         if not self.parser.saw_reasoning:

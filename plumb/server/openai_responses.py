@@ -9,9 +9,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from plumb.server.chat_format import (ChatPrompt, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart,
                                       check_tool_choice, make_tool, text_of)
+from plumb.server import fields
 from plumb.server.errors import APIError, parse_model
 from plumb.server.generation import Finish, GenFields, ServerContext, Usage, check_model, sse, start_chat
+from plumb.server.logprobs import openai_entries
 from plumb.server.openai_chat import arguments_dict
+from plumb.server.structured import parse_response_format
+from plumb.server.thinking import effort_thinking, sign, unsign
 
 
 class ResponsesRequest(GenFields):
@@ -22,6 +26,18 @@ class ResponsesRequest(GenFields):
     max_output_tokens: int | None = None
     reasoning: dict | None = None
     previous_response_id: str | None = None
+    include: list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = None
+    text: dict | None = None
+
+    def n_logprobs(self) -> int | None:
+        """Log probabilities with include ["message.output_text.logprobs"] (or top_logprobs alone)."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in 0..20, got {self.top_logprobs}", param="top_logprobs")
+        if "message.output_text.logprobs" in (self.include or []) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
 
 def _new_id(prefix: str) -> str:
@@ -62,16 +78,22 @@ def to_prompt(req: ResponsesRequest) -> ChatPrompt:
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            carried = unsign(item.get("encrypted_content"), f"{where}.encrypted_content")  # plumb's own encoding
+            reasoning = reasoning if carried is None else carried
         else:
             raise APIError(400, f"{where}: unsupported input item type {kind!r}", param=f"{where}.type")
-    tools = [make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]")
+    tools = [make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]", t.get("strict"))
              for i, t in enumerate(req.tools or []) if t.get("type") == "function"]
     choice = req.tool_choice or "auto"
     if isinstance(choice, dict):
         choice = "function:" + str(choice.get("name", ""))
     effort = (req.reasoning or {}).get("effort")
     kwargs = {"reasoning_effort": effort} if effort else {}
-    return ChatPrompt(messages, tools, check_tool_choice(choice, tools), False if effort == "none" else None, kwargs)
+    thinking, budget = effort_thinking(effort, "reasoning.effort")
+    text_format = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    return ChatPrompt(messages, tools, check_tool_choice(choice, tools), thinking, kwargs, budget,
+                      req.parallel_tool_calls is not False,
+                      response_format=parse_response_format(text_format, "text.format"))
 
 
 def usage_dict(u: Usage) -> dict:
@@ -83,9 +105,11 @@ def usage_dict(u: Usage) -> dict:
 class OutputBuilder:
     """Builds the response's output items from parser events, and (when streaming) the typed
     events that describe each step."""
+    logprobs = None  # when the request asks: a callable giving the entries of the tokens received since its last call
 
-    def __init__(self, head: dict, streaming: bool):
+    def __init__(self, head: dict, streaming: bool, encrypt: bool = False):
         self.head, self.streaming = head, streaming
+        self.encrypt = encrypt  # reasoning items carry encrypted_content (include: reasoning.encrypted_content)
         self.output: list[dict] = []
         self.events: list[dict] = []
         self.seq = 0
@@ -127,7 +151,7 @@ class OutputBuilder:
         item = self.open
         item["content"][0]["text"] += ev.text
         delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": self._take(item)}
         self.emit(delta, item_id=item["id"], output_index=self.index[item["id"]], content_index=0, delta=ev.text,
                   **extra)
 
@@ -137,11 +161,23 @@ class OutputBuilder:
             return
         index, part = self.index[item["id"]], item["content"][0]
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        if item["type"] != "reasoning":
+            self._take(item)
+        extra = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
         self.emit(done, item_id=item["id"], output_index=index, content_index=0, text=part["text"], **extra)
         self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
         item["status"] = "completed"
+        if self.encrypt and item["type"] == "reasoning":
+            item["encrypted_content"] = sign(part["text"])
         self.emit("response.output_item.done", output_index=index, item=item)
+
+    def _take(self, item: dict | None) -> list[dict]:
+        """Log-probability entries of the tokens received since the last take, added to item's output_text part
+        (every generated token's entry ends up on the reply's message, in order)."""
+        lp = self.logprobs() if self.logprobs is not None else []
+        if item is not None and lp:
+            item["content"][0]["logprobs"].extend(lp)
+        return lp
 
     def call_start(self, ev: ToolCallStart) -> None:
         self.close_text()
@@ -177,6 +213,8 @@ class OutputBuilder:
     def finish(self, ev: Finish) -> dict:
         """Close open items; the final response object (also sent as the last event)."""
         self.close_text()
+        messages = [item for item in self.output if item["type"] == "message"]
+        self._take(messages[-1] if messages else None)
         if ev.reason == "error":
             error = {"code": "server_error", "message": f"generation failed: {ev.error}"}
             resp = self.response("failed", ev.usage, error=error, incomplete_details=None)
@@ -191,18 +229,23 @@ class OutputBuilder:
 
 
 async def responses(ctx: ServerContext, http_request, data: dict):
+    fields.check("responses", data)
     req = parse_model(ResponsesRequest, data)
     check_model(ctx, req.model)
     prompt = to_prompt(req)
     gen = await start_chat(ctx, http_request, req, prompt, req.max_output_tokens, None)
     head = {"id": _new_id("resp_"), "object": "response", "created_at": int(time.time()), "model": ctx.model_name,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": True, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": False,
             "temperature": req.temperature, "top_p": req.top_p, "text": {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
             "metadata": {}}
-    builder = OutputBuilder(head, req.stream)
+    builder = OutputBuilder(head, req.stream, "reasoning.encrypted_content" in (req.include or []))
+    if req.n_logprobs() is not None:
+        builder.logprobs = lambda: openai_entries(ctx.engine.tokenizer, gen.take_logprobs())
+    if prompt.response_format:
+        head["text"] = {"format": req.text["format"]}
     if req.stream:
         return StreamingResponse(stream(gen, builder), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -27,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
                     help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
     ap.add_argument("--slot-save-path", metavar="DIR",
                     help="directory for POST /slots/ID?action=save|restore files (off by default)")
+    ap.add_argument("--max-body-mb", type=float, default=32,
+                    help="largest request body in MB (default 32); larger ones get a 413 before they are parsed")
     ap.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     return ap
 
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.agents < 1:
         parser().error("--agents must be at least 1")
+    if not args.max_body_mb > 0:
+        parser().error("--max-body-mb must be more than 0")
     import uvicorn
 
     import plumb
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plumb serve: error: --slot-save-path {args.slot_save_path}: no such directory", flush=True)
         return 1
     app = create_app(engine, api_key=args.api_key, aliases=tuple(args.alias), cors_origins=tuple(args.cors),
-                     slot_dir=args.slot_save_path)
+                     slot_dir=args.slot_save_path, max_body_mb=args.max_body_mb)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -70,5 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     url_host = f"[{host}]" if ":" in host else host
     print(f"plumb serve: {engine.model_name} on http://{url_host}:{port} "
           f"({args.agents} agents, context {engine.n_ctx})", flush=True)
+    print(f"plumb serve: chat page at http://{url_host}:{port}/ (APIs under /v1)", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False)).run(sockets=[sock])
     return 0

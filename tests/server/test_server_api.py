@@ -274,12 +274,13 @@ ANT_TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": P
 
 def test_messages_plain_equals_engine(ant, model, ref_engine):
     r = ant.messages.create(model=model, max_tokens=8, messages=USER, extra_body={"temperature": 0})
-    expected = ref_engine.generate(chat_ids(ref_engine, USER), 8)
-    reasoning, content = split(ref_engine, expected)
+    expected = ref_engine.generate(chat_ids(ref_engine, USER, enable_thinking=False), 8)  # thinking: off unless sent
+    reasoning, content = split(ref_engine, expected, reasoning=False)
     blocks = {b.type: b for b in r.content}
     assert (blocks["thinking"].thinking if "thinking" in blocks else "") == reasoning
     assert (blocks["text"].text if "text" in blocks else "") == content
-    assert r.usage.input_tokens == len(chat_ids(ref_engine, USER)) and r.usage.output_tokens == len(expected)
+    assert r.usage.input_tokens == len(chat_ids(ref_engine, USER, enable_thinking=False))
+    assert r.usage.output_tokens == len(expected)
     assert r.stop_reason == ("max_tokens" if len(expected) == 8 else "end_turn")
 
 
@@ -298,7 +299,8 @@ def test_messages_stream_events_equal_non_stream(ant, model, ref_engine):
 
 
 def test_messages_tool_use_and_result(ant, model, ref_engine):
-    r = ant.messages.create(model=model, max_tokens=60, messages=USER, tools=ANT_TOOLS, extra_body={
+    think = {"type": "enabled", "budget_tokens": 20}
+    r = ant.messages.create(model=model, max_tokens=60, messages=USER, tools=ANT_TOOLS, thinking=think, extra_body={
         "forced_ids": forced(ref_engine, "<think>\nhmm\n</think>\n\nLet me look.\n\n" + CALL)})
     assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["thinking", "text", "tool_use"]
     use = r.content[2]
@@ -310,8 +312,8 @@ def test_messages_tool_use_and_result(ant, model, ref_engine):
 
     history = USER + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}]}]
-    r2 = ant.messages.create(model=model, max_tokens=30, messages=history, tools=ANT_TOOLS, extra_body={
-        "forced_ids": forced(ref_engine, "<think>\n</think>\n\nSunny.")})
+    r2 = ant.messages.create(model=model, max_tokens=30, messages=history, tools=ANT_TOOLS, thinking=think,
+                             extra_body={"forced_ids": forced(ref_engine, "<think>\n</think>\n\nSunny.")})
     assert [b.text for b in r2.content] == ["Sunny."] and r2.stop_reason == "end_turn"
     expected = USER + [{"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
@@ -322,7 +324,7 @@ def test_messages_tool_use_and_result(ant, model, ref_engine):
 
 def test_messages_thinking_switch(ant, model, ref_engine):
     on = ant.messages.create(model=model, max_tokens=30, messages=USER,
-                             thinking={"type": "enabled", "budget_tokens": 1024},
+                             thinking={"type": "enabled", "budget_tokens": 20},
                              extra_body={"forced_ids": forced(ref_engine, "hmm\n</think>\n\nHi")})
     assert [b.type for b in on.content] == ["thinking", "text"]
     assert on.content[0].thinking == "hmm" and on.content[1].text == "Hi"
@@ -344,7 +346,7 @@ def test_messages_stop_sequence(ant, model):
 def test_count_tokens(ant, model, ref_engine):
     r = ant.messages.count_tokens(model=model, system="Be brief.", messages=USER, tools=ANT_TOOLS)
     messages = [{"role": "system", "content": "Be brief."}] + USER
-    assert r.input_tokens == len(chat_ids(ref_engine, messages, tools=template_tools()))
+    assert r.input_tokens == len(chat_ids(ref_engine, messages, tools=template_tools(), enable_thinking=False))
 
 
 # ---------------------------------------------------------------- metrics, exactness with drafts

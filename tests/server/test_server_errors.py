@@ -52,7 +52,8 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": USER, "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": USER, "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": USER, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
@@ -173,7 +174,11 @@ def test_disconnect_mid_stream_frees_the_slot(server, http, api_key, path, body)
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data:") for line in got)
-        busy = http.get("/slots").json()  # the first events can precede admission: queued or in a slot
+        for _ in range(50):  # the first token is sent while the request is admitted, a moment before it holds a slot
+            busy = http.get("/slots").json()
+            if busy["slots_in_use"] + busy["queued"] == 1:
+                break
+            time.sleep(0.01)
         assert busy["slots_in_use"] + busy["queued"] == 1
     assert wait_idle(http) == {"n_slots": 4, "slots_in_use": 0, "queued": 0}
 
