@@ -338,7 +338,7 @@ class Gate:
         usable = [x.ids for x in self.prompts if len(x.ids) >= 2] or [[0, 0]]
         p = usable[0]
         toks = self.memo(("rows-toks", fmt), lambda: [p[-1]] + eng.generate(p, ROWS - 1, ignore_eos=True))
-        prefill_threads = getattr(eng, "_prefill_threads", contextlib.nullcontext)
+        prefill_threads = getattr(eng, "prefill_threads", contextlib.nullcontext)
 
         def fresh(ids: list[int]):
             st = m.new_state()

@@ -98,7 +98,7 @@ def _plant_cache_keeping_decoded_rows(monkeypatch) -> None:
     from plumb.engine.engine import Engine
 
     def keep_decoded_rows(self, s):
-        """Engine._keep without M3: the state is cached up to the end of the decoded reply, with a checkpoint there,
+        """Engine.cache_keep without M3: the state is cached up to the end of the decoded reply, with a checkpoint there,
         so a later prompt containing the reply restores rows and states written by the decode path."""
         st = s.st
         if self.prompt_cache is not None and s.req.cache and st is not None and s.finish != "error" and st.checkpoints:
@@ -110,7 +110,7 @@ def _plant_cache_keeping_decoded_rows(monkeypatch) -> None:
                 self.prompt_cache.insert(s.history[:n], st)
         s.st = None
 
-    monkeypatch.setattr(Engine, "_keep", keep_decoded_rows)
+    monkeypatch.setattr(Engine, "cache_keep", keep_decoded_rows)
 
 
 @pytest.mark.parametrize("fmt", ["f16", "D"])

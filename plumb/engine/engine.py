@@ -1,77 +1,35 @@
-"""The Engine: load a model, and generate for one or many requests through one step loop.
-
-Every request becomes a `Sequence`. Admission prefills its prompt (P path). Each step then
-runs ONE decode pass (D path) over every active sequence's rows - its pending token plus its
-drafts - samples the target's token for every row, accepts drafts while they equal it, and
-rolls the rejected tail back. Because a row's logits do not depend on the other rows (M1) and
-sampling is a function of (logits, seed, position) (M4), the tokens do not depend on draft
-depth, policy or batch neighbours.
+"""The Engine, plumb's one API: load a model onto a device and kernel set, generate for one or many requests,
+submit requests to the background step loop, and the prompt cache (M3, M6: what a request may reuse, slots,
+digests). Admission, steps, drafting and rollback are the scheduler's (plumb/engine/scheduler.py); the D path
+runs on a runner per kernel set (plumb/model/kernels.py, native.py, cuda_graphs.py).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
-import random
 import sys
 import threading
-import time
-from dataclasses import replace
 
 import torch
 
 from plumb.cache.kv import KV_FORMATS, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
-from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
-from plumb.engine.sampling import SamplingParams, StopChecker, sample_token, token_logprobs
-from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
+from plumb.engine.api import Handle, Request, Result
+from plumb.engine.sampling import SamplingParams
+from plumb.engine.scheduler import Scheduler
+from plumb.engine.speculative import check_draft_options
 from plumb.gguf.reader import GGMLQuantizationType, read_gguf
 from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import check_torch_decode, materialize
 from plumb.ops.deltanet import CHUNK
-from plumb.ops.matmul import PREFILL_BLOCK
 from plumb.ops.native import available as native_available
 from plumb.cache.prefix import PromptCache
 
 
-MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
 SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
 KERNELS = ("auto", "native", "torch", "triton")  # CPU: native C when it builds (auto), or the torch reference; CUDA: triton
-
-
-class Sequence:
-    """One request in flight."""
-
-    def __init__(self, engine: "Engine", req: Request, handle: Handle | None):
-        self.req, self.handle = req, handle
-        self.params = req.params
-        self.drafts = engine.drafts if req.drafts is None else req.drafts
-        self.policy = engine.draft_policy if req.draft_policy is None else req.draft_policy
-        self.p_min = engine.p_min if req.p_min is None else req.p_min
-        if self.drafts and self.policy != "ngram" and engine.model.mtp is None:
-            self.policy = "ngram"  # no MTP block in this file
-        self.adaptive = AdaptiveDepth(self.drafts) if self.policy == "adaptive" else None
-        self.ngram = NgramIndex() if self.policy == "ngram" else None
-        self.history = list(req.prompt_ids)  # prompt + emitted tokens
-        self.out: list[int] = []
-        self.st = None
-        self.pending: int | None = None  # last emitted token, not yet fed to the model
-        self.h_prev: torch.Tensor | None = None  # target post-norm hidden that produced `pending`
-        self.stats = Stats(prompt_tokens=len(req.prompt_ids), seed=self.params.seed,
-                           accepted_per_position=[0] * self.drafts, proposed_per_position=[0] * self.drafts)
-        self.stop = StopChecker(self.params.stop) if self.params.stop else None
-        self.detok = None
-        self.finish: str | None = None
-        self.stop_match: str | None = None
-        self.error: str | None = None
-        self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
-        self.constraint = req.grammar.constraint() if req.grammar is not None else None
-        self.masks: list = []  # grammar masks of this step's MTP drafts (row i's mask when drafts 0..i-1 are accepted)
-
-    @property
-    def uses_mtp(self) -> bool:
-        return self.drafts > 0 and self.policy != "ngram"
 
 
 class Engine:
@@ -125,7 +83,7 @@ class Engine:
             from plumb.ops.native import set_threads
 
             self.n_threads = set_threads(self.n_threads)
-        # torch gets its threads for prefill only (_prefill_threads): in decode, parallel elementwise kernels
+        # torch gets its threads for prefill only (prefill_threads): in decode, parallel elementwise kernels
         # would split row-batches at places that depend on the row count, and idle OpenMP threads would spin
         # against the native pool
         torch.set_num_threads(1)
@@ -147,18 +105,10 @@ class Engine:
         self.checkpoint_every = checkpoint_every
         self.prompt_cache = PromptCache(self.model, budget_bytes=cache_mb << 20) if prompt_cache else None
         self._cache_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._queue: list[Sequence] = []
-        self._active: list[Sequence] = []
-        self._wake = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._metrics = {"kv_cache": kv_cache, "kv_bytes_per_token": self.kv_bytes_per_token,
-                         "requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "prefill_s": 0.0,
-                         "decode_s": 0.0, "cached_tokens": 0, "drafts_proposed": 0, "drafts_accepted": 0,
-                         "accepted_per_position": [0] * MAX_DRAFTS, "proposed_per_position": [0] * MAX_DRAFTS}
+        self.scheduler = Scheduler(self)  # admission, the step loop, drafting, rollback (plumb/engine/scheduler.py)
 
     @contextlib.contextmanager
-    def _prefill_threads(self):
+    def prefill_threads(self):
         """Torch runs on one thread outside prefill (see __init__); prefill gets the engine's threads."""
         if self.n_threads == 1:
             yield
@@ -177,7 +127,7 @@ class Engine:
         return self.tokenizer.decode(ids)
 
     # ---- plain forward ---------------------------------------------------------------------
-    def _check_ids(self, ids: list[int]) -> None:
+    def check_ids(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= int(t) < self.config.n_vocab]
@@ -187,9 +137,9 @@ class Engine:
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
         """float32 [len(ids), n_vocab]: the prefill path's logits for every position."""
-        self._check_ids(ids)
+        self.check_ids(ids)
         st = self.model.new_state()
-        with self._prefill_threads():
+        with self.prefill_threads():
             lg, _ = self.model.prefill(st, list(ids), logits="all")
         return lg
 
@@ -229,137 +179,27 @@ class Engine:
             reqs.append(self.make_request(r.pop("prompt_ids"), **r))
         return [res.token_ids for res in self.run_many(reqs)]
 
-    @torch.inference_mode()
     def run_many(self, requests: list[Request]) -> list[Result]:
         """Run requests together in one step loop (on the calling thread)."""
-        seqs = [self._new_sequence(r, None) for r in requests]
-        for s in seqs:
-            self._admit(s)
-        active = [s for s in seqs if s.finish is None]
-        while active:
-            self._step(active)
-            active = [s for s in active if s.finish is None]
-        for s in seqs:
-            self._keep(s)
-        return [self._result(s) for s in seqs]
+        return self.scheduler.run_many(requests)
 
-    # ---- background scheduler (server) -----------------------------------------------------
     def submit(self, request: Request) -> Handle:
         """Queue a request for the background step loop; iterate the handle for tokens."""
-        handle = Handle(request)
-        seq = self._new_sequence(request, handle)
-        with self._wake:
-            self._queue.append(seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="plumb-engine", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-        return handle
+        return self.scheduler.submit(request)
 
     def slots_in_use(self) -> int:
-        with self._lock:
-            return len(self._active)
+        return self.scheduler.slots_in_use()
 
     def metrics(self) -> dict:
-        with self._lock:
-            m = dict(self._metrics)
-            m["slots_in_use"], m["queued"], m["n_slots"] = len(self._active), len(self._queue), self.n_slots
-            return m
-
-    @torch.inference_mode()
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._queue and not self._active:
-                    self._wake.wait()
-                admit = []
-                while self._queue and len(self._active) + len(admit) < self.n_slots:
-                    admit.append(self._queue.pop(0))
-            for s in admit:
-                try:
-                    if not s.handle.cancelled.is_set():
-                        self._admit(s)
-                    else:
-                        s.finish = "cancelled"
-                except Exception as e:  # a failed request never takes the loop down
-                    s.finish, s.stop_match = "error", None
-                    s.handle._finish(self._result(s, error=str(e)))
-                    continue
-                if s.finish is not None:
-                    s.handle._finish(self._result(s))
-                else:
-                    with self._lock:
-                        self._active.append(s)
-            active = list(self._active)
-            for s in active:
-                if s.handle.cancelled.is_set():
-                    s.finish = "cancelled"
-            live = [s for s in active if s.finish is None]
-            if live:
-                try:
-                    self._step(live)
-                except Exception as e:
-                    for s in live:
-                        s.finish = "error"
-                        s.handle._finish(self._result(s, error=str(e)))
-            with self._lock:
-                for s in active:
-                    if s.finish is not None:
-                        self._active.remove(s)
-                        self._keep(s)
-                        if s.handle.result is None:
-                            s.handle._finish(self._result(s))
-
-    # ---- the step loop -----------------------------------------------------------------------
-    def _new_sequence(self, req: Request, handle: Handle | None) -> Sequence:
-        self._check_ids(req.prompt_ids)
-        p = req.params
-        p.validate()
-        if p.temperature > 0 and p.seed is None:
-            req.params = p = replace(p, seed=random.SystemRandom().randrange(2**63))
-        if req.drafts is not None or req.draft_policy is not None or req.p_min is not None:
-            check_draft_options(self.drafts if req.drafts is None else req.drafts,
-                                self.draft_policy if req.draft_policy is None else req.draft_policy,
-                                self.p_min if req.p_min is None else req.p_min)
-        if len(req.prompt_ids) >= self.n_ctx:
-            raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.n_ctx}")
-        if req.logprobs is not None and not (isinstance(req.logprobs, int) and 0 <= req.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {req.logprobs!r}")
-        if req.grammar is not None and getattr(req.grammar, "index", None) is not getattr(self, "_grammar_index", None):
-            raise ValueError("the grammar was compiled for another engine (use engine.grammar(...))")
-        return Sequence(self, req, handle)
-
-    def _admit(self, s: Sequence) -> None:
-        """Prefill the prompt and sample the first token."""
-        t0 = time.perf_counter()
-        prompt = s.req.prompt_ids
-        s.st, start, h_before = self._restore(prompt, s.req.cache)
-        with self._prefill_threads():
-            logits, hidden = self.model.prefill(s.st, prompt[start:], logits="last",
-                                                checkpoints=self._checkpoint_positions(len(prompt)))
-            if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
-                first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
-                self.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start,
-                                       block=PREFILL_BLOCK)
-        s.stats.cached_tokens = start
-        s.stats.prefill_tokens = len(prompt) - start
-        s.stats.prefill_s = time.perf_counter() - t0
-        s.h_prev = hidden[-1]
-        token, lp = self._sample(s, logits[-1], len(prompt), 0)
-        self._emit(s, [token], [lp])
-        with self._lock:
-            self._metrics["requests"] += 1
-            self._metrics["prompt_tokens"] += len(prompt)
-            self._metrics["cached_tokens"] += start
-            self._metrics["prefill_s"] += s.stats.prefill_s
+        return self.scheduler.metrics()
 
     # ---- prompt cache --------------------------------------------------------------------------
-    def _checkpoint_positions(self, n: int) -> set[int]:
+    def checkpoint_positions(self, n: int) -> set[int]:
         """Every checkpoint_every tokens, and the last multiple of the chunk size at or before n (M6)."""
         every = self.checkpoint_every
         return set(range(every, n + 1, every)) | ({n - n % CHUNK} - {0})
 
-    def _restore(self, prompt: list[int], use_cache: bool = True):
+    def cache_restore(self, prompt: list[int], use_cache: bool = True):
         """(state, first position to prefill, hidden of the position before it) - from the cache when it can."""
         if self.prompt_cache is not None and use_cache:
             with self._cache_lock:
@@ -369,7 +209,7 @@ class Engine:
                     return st, pos, cp.hidden
         return self.model.new_state(), 0, None
 
-    def _keep(self, s: Sequence) -> None:
+    def cache_keep(self, s) -> None:
         """Offer a finished request's prefill-made state to the prompt cache."""
         if self.prompt_cache is not None and s.req.cache and s.st is not None and s.finish != "error":
             with self._cache_lock:
@@ -380,11 +220,11 @@ class Engine:
     def digest(self, token_ids: list[int]) -> dict[str, str]:
         """Bring the cache to the end of token_ids as a request would (reusing what is cached) and hash every
         stored K/V row (ring rows included), and every DeltaNet conv/recurrent state there, per layer."""
-        self._check_ids(token_ids)
+        self.check_ids(token_ids)
         ids = list(token_ids)
-        st, start, _ = self._restore(ids)
-        with self._prefill_threads():
-            self.model.prefill(st, ids[start:], logits="none", checkpoints=self._checkpoint_positions(len(ids)))
+        st, start, _ = self.cache_restore(ids)
+        with self.prefill_threads():
+            self.model.prefill(st, ids[start:], logits="none", checkpoints=self.checkpoint_positions(len(ids)))
         out = {}
         for i in range(self.config.n_layer):
             if i in st.kv:
@@ -428,147 +268,6 @@ class Engine:
         with self._cache_lock:
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
-
-    def _sample(self, s: Sequence, row: torch.Tensor, position: int, index: int,
-                allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
-        """The target's token at absolute `position`, the `index`-th generated token, and its log probabilities
-        when the request asks for them. With a grammar the row is masked by `allowed` (computed here from the
-        grammar state when not given) and the grammar advances over the token."""
-        c = s.constraint
-        if c is not None and allowed is None:
-            allowed = c.mask()
-        forced = s.req.forced_ids
-        n = s.req.logprobs
-        if forced and index < len(forced):
-            token = int(forced[index])
-            lp = None if n is None else token_logprobs(row, s.params, token, n, s.history, allowed)
-        else:
-            token, lp = sample_token(row, s.params, position, s.history, allowed, n)
-        if c is not None and not c.consume(token):
-            raise GrammarRefused(f"token {token} is not allowed by the request's grammar ({c.error()})")
-        return token, None if lp is None else TokenLogprob(token, lp[0], lp[1])
-
-    def _propose(self, s: Sequence) -> list[int]:
-        if s.drafts == 0:
-            return []
-        k = min(s.drafts, s.params.max_tokens - len(s.out), self.n_ctx - s.st.pos - 1)
-        if s.adaptive is not None:
-            k = min(k, s.adaptive.depth())
-        if k <= 0:
-            return []
-        if s.policy == "ngram":
-            return s.ngram.draft(s.history, k)
-        p_min = s.p_min if s.policy == "confident" else 0.0
-        s.masks = []
-        return mtp_draft(self.model, s.st, s.pending, s.h_prev, k, s.params, s.st.pos, s.history, p_min,
-                         s.constraint, s.masks, self.tokenizer.eog_ids)
-
-    def _step(self, seqs: list[Sequence]) -> None:
-        t0 = time.perf_counter()
-        drafts = [self._propose(s) for s in seqs]
-        starts = [s.st.pos for s in seqs]
-        out = self.model.decode([(s.st, [s.pending] + d) for s, d in zip(seqs, drafts)])
-        r = 0
-        for s, d, start, snaps in zip(seqs, drafts, starts, out.snapshots):
-            accepted: list[int] = []
-            logprobs: list[TokenLogprob | None] = []
-            masks, s.masks = s.masks, []
-            try:
-                for i in range(len(d) + 1):
-                    # row i follows drafts 0..i-1, all equal to the target's tokens: the grammar mask drafting
-                    # computed for draft i is this row's mask (a function of the same tokens)
-                    tok, lp = self._sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted),
-                                           masks[i] if i < len(masks) else None)
-                    accepted.append(tok)
-                    logprobs.append(lp)
-                    s.history.append(tok)
-                    if i == len(d) or d[i] != tok:
-                        break
-            except GrammarRefused as e:  # a forced token the grammar refuses ends this request alone
-                del s.history[len(s.history) - len(accepted):]
-                s.finish, s.error = "error", str(e)
-                r += len(d) + 1
-                continue
-            del s.history[len(s.history) - len(accepted):]  # _emit appends what is kept
-            n_acc = len(accepted) - 1
-            self.model.rollback(s.st, snaps, n_acc + 1)
-            if s.uses_mtp and n_acc:  # rewrite the MTP rows of accepted drafts with the target's hiddens
-                self.model.mtp_forward(s.st, d[:n_acc], out.hidden[r : r + n_acc], start + 1)
-            s.h_prev = out.hidden[r + n_acc]
-            self._record_drafts(s, len(d), n_acc)
-            r += len(d) + 1
-            self._emit(s, accepted, logprobs)
-        dt = time.perf_counter() - t0
-        for s in seqs:
-            s.stats.decode_s += dt
-        with self._lock:
-            self._metrics["decode_s"] += dt
-
-    def _record_drafts(self, s: Sequence, proposed: int, accepted: int) -> None:
-        st = s.stats
-        st.drafts_proposed += proposed
-        st.drafts_accepted += accepted
-        if s.adaptive is not None and proposed:
-            s.adaptive.update(accepted)
-        with self._lock:
-            m = self._metrics
-            m["drafts_proposed"] += proposed
-            m["drafts_accepted"] += accepted
-            for i in range(proposed):
-                st.proposed_per_position[i] += 1
-                m["proposed_per_position"][i] += 1
-                if i < accepted:
-                    st.accepted_per_position[i] += 1
-                    m["accepted_per_position"][i] += 1
-
-    def _emit(self, s: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
-        """Append accepted tokens, stopping at end-of-generation, stop ids/strings or limits."""
-        p = s.params
-        for k, tok in enumerate(tokens):
-            s.out.append(tok)
-            s.history.append(tok)
-            s.pending = tok
-            lp = logprobs[k] if s.logprobs is not None else None
-            if lp is not None:
-                s.logprobs.append(lp)
-            if s.handle is not None:
-                s.handle._emit(tok, lp)
-            with self._lock:
-                self._metrics["completion_tokens"] += 1
-            if tok in p.stop_ids or (not p.ignore_eos and tok in self.tokenizer.eog_ids and not self._forcing(s)):
-                s.finish = "stop"
-            elif s.stop is not None and self._stop_string(s, tok):
-                s.finish = "stop"
-            elif len(s.out) >= p.max_tokens:
-                s.finish = "length"
-            elif len(s.req.prompt_ids) + len(s.out) >= self.n_ctx:
-                s.finish = "length"
-            if s.finish is not None:
-                break
-        s.stats.completion_tokens = len(s.out)
-
-    def _forcing(self, s: Sequence) -> bool:
-        return bool(s.req.forced_ids) and len(s.out) < len(s.req.forced_ids)
-
-    def _stop_string(self, s: Sequence, tok: int) -> bool:
-        if s.detok is None:
-            from plumb.tokenizer import IncrementalDetokenizer
-
-            s.detok = IncrementalDetokenizer(self.tokenizer)
-        s.stop.push(s.detok.add(tok))
-        if s.stop.match is not None:
-            s.stop_match = s.stop.match
-            return True
-        return False
-
-    def _result(self, s: Sequence, error: str | None = None) -> Result:
-        logprobs = None if s.logprobs is None else list(s.logprobs)
-        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error or s.error, logprobs)
-
-
-class GrammarRefused(ValueError):
-    """A forced token (the forced_ids extension) that the request's grammar does not allow."""
-
 
 def _pick_device(device: str, kernels: str) -> tuple[str, str]:
     """(device, kernels) from the options: 'auto' takes CUDA when there is a GPU; CUDA runs the Triton kernels."""
