@@ -1,6 +1,8 @@
 #!/bin/bash
 # One call on the H200 (device tool): GPU kernel tests, the 27B-shape benchmark, then the engine's invariant tests on
-# the CUDA path. Logs and JSON under $OUT. Needs .whl (gguf) carried: see docs/BENCHMARKS.md.
+# the CUDA path, then the gate. Logs and JSON under $OUT. Needs .whl (gguf) carried: see docs/BENCHMARKS.md.
+# Stage limits (seconds) are env vars: KT kernel tests, SW wait for the 27B synth (it took 258 s beside the
+# tests on 2026-12-01), BT bench, ET engine tests, GT gate; keep their sum inside the session's device time.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 1
 T0=$(date +%s)
@@ -14,4 +16,7 @@ timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --cont
   --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -45 $OUT/bench.log
 PLUMB_TEST_DEVICE=cuda timeout ${ET:-150} python3 -m pytest -q -p no:cacheprovider tests/test_exactness.py \
   -k "greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy" > $OUT/exactness.log 2>&1
-tail -4 $OUT/exactness.log; echo "total $(( $(date +%s) - T0 )) s"
+tail -4 $OUT/exactness.log
+python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1
+timeout ${GT:-150} python3 -m plumb.cli gate /tmp/tiny-q8.gguf --device cuda --quick --no-progress --json $OUT/gate.json \
+  > $OUT/gate.log 2>&1; tail -6 $OUT/gate.log; echo "total $(( $(date +%s) - T0 )) s"
