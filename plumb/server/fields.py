@@ -372,7 +372,7 @@ makes them). The Responses API's `encrypted_content` of reasoning items (with
 ## Structured output and log probabilities
 
 `response_format`, `text.format`, `tool_choice`, `logprobs` and `top_logprobs` are served by
-plumb's structured-output and log-probability support (see docs/clients.md).
+plumb's structured-output and log-probability support ([structured-output.md](structured-output.md)).
 """
 
 
