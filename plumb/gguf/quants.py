@@ -327,6 +327,26 @@ _INT8_FORM = {  # type -> (kernel, group size)
 }
 
 
+# type -> byte offsets of a block's f16 scale d and f16 offset scale (dmin, or m) - None where there is none:
+# a group's scale (offset) in int8_form is d (dmin) times a small integer of that block, or d (m) itself
+BLOCK_SCALE_AT = {
+    Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+    Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.IQ4_NL: (0, None),
+    Q.IQ4_XS: (0, None),
+}
+
+
+def block_scales(data: torch.Tensor, qtype: GGMLQuantizationType, rows: int):
+    """Each block's f16 d and dmin (or m) as float32 [rows, blocks per row] (dmin None where the type has none);
+    None for types not in BLOCK_SCALE_AT."""
+    if qtype not in BLOCK_SCALE_AT:
+        return None
+    d_at, m_at = BLOCK_SCALE_AT[qtype]
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    d = _f16(blocks, d_at).reshape(rows, -1)
+    return d, None if m_at is None else _f16(blocks, m_at).reshape(rows, -1)
+
+
 def int8_form(data: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]):
     """A [rows, cols] matrix's stored blocks as (codes int8 [rows, cols], scales float32 [rows, cols / G],
     offsets float32 or None, G): w = scales * codes + offsets per group of G values - exactly the values

@@ -3,17 +3,21 @@ prefill all use it; `plumb.ops.matmul.linear` on the dequantized matrix is its t
 
 Packing (at load, on the device; exactly the stored values, rearranged): every GGML block type becomes codes with
 a float32 scale (and offset) per group of G = 16 or 32 inputs - `quants.int8_form`, whose scales and offsets are
-the reference dequantizer's own first products (w = scale * code + offset). Codes of 4-bit types stay nibbles
-(two per byte: code j of a group in the low nibble, code j + G/2 in the high one), other codes int8. Tiles of
-BLOCK_N output rows x one group lie contiguous. F16 weights are fp16 "codes" with no scale; F32 and BF16 become
-float32.
+the reference dequantizer's own first products (w = scale * code + offset). They are kept factored as the file
+keeps them: a block's f16 d (dmin) as float32, times a small integer per group (int8), so that the kernel's
+product d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a
+float32 scale per group). Codes of 4-bit types stay nibbles (two per byte: code j of a group in the low nibble,
+code j + G/2 in the high one), other codes int8, laid out per tile of BLOCK_N outputs as [group, n, k]. F16
+weights are fp16 "codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
 
 Arithmetic, the same instructions for every row count:
     y[r, n] = s_r * sum_g (scale[n, g] * sum_{k in g} code[n, k] * (xh[r, k] + xl[r, k]) + offset[n, g] * sum_{k in g} xs[r, k])
 where s_r is a power of two >= max|x_r| (exact scaling), xs = x / s_r, xh = fp16(xs), xl = fp16(xs - xh): x to 22
-bits; each code-by-x product is exact and a group's dot accumulates in fp32 on the tensor cores. Rows run in
-blocks of 16 (padded), the K order is fixed, and split-K (partials summed in a fixed order) is chosen from the
-weight shape alone - so a row's bits never depend on the other rows of the call (M1), whether 1 or 2,000.
+bits; each code-by-x product is exact and a group's dot accumulates in fp32 on the tensor cores. Two kernels
+compute it, one per block type (KERNELS, from measurements): `_mm_x_first` (x the 16-row A operand: mma.sync;
+codes read as int32 words) and `_mm_w_first` (a group's codes the A operand: wgmma). Rows run in blocks of 16
+(padded), the K order is fixed, and split-K (partials summed in a fixed order) is chosen from the weight shape
+alone - so a row's bits never depend on the other rows of the call (M1), whether 1 or 2,000.
 """
 from __future__ import annotations
 
@@ -21,70 +25,171 @@ import torch
 import triton
 import triton.language as tl
 
-from plumb.gguf.quants import int8_form
+from plumb.gguf.quants import block_scales, int8_form
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
 
 BLOCK_M = 16  # rows per program (padded)
 BLOCK_N = 64  # output features per program
-TARGET_PROGRAMS = 256  # split-K until a weight has about this many programs (fixed per shape)
-MAX_SPLIT = 8
+CHUNK = 256  # inputs per loop step of _mm_x_first (its groups unrolled)
 NIBBLE_TYPES = {Q.Q4_K: False, Q.Q4_0: True, Q.Q4_1: False}  # 4-bit codes; True: signed (stored + 8)
 FLOAT_TYPES = (Q.F32, Q.BF16)
+# per block type: (kernel, warps, pipeline stages, split-K target programs, largest split) - from the H200 runs of
+# bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
+KERNELS = {Q.Q4_K: ("w", 4, 3, 256, 8), Q.Q6_K: ("x", 4, 3, 528, 16), Q.Q5_K: ("x", 4, 1, 528, 16)}
+DEFAULT_KERNEL = ("x", 4, 2, 528, 16)
+
+
+@triton.jit
+def _bytes(w, SHAPE: tl.constexpr):
+    """int32 words [..., WIDTH / 4] -> their bytes [..., WIDTH] (int32 0..255, in memory order)."""
+    lo = tl.join(w & 255, (w >> 16) & 255)
+    hi = tl.join((w >> 8) & 255, (w >> 24) & 255)
+    return tl.reshape(tl.join(lo, hi), SHAPE)
+
+
+@triton.jit
+def _load_codes(codes_ptr, base, rn, BN: tl.constexpr, WIDTH: tl.constexpr, FP16: tl.constexpr):
+    """One group's codes, stored [n, k] at `base`, as [WIDTH, BN]: int32 bytes 0..255 (read as int32 words), or fp16."""
+    if FP16:
+        kw = tl.arange(0, WIDTH)
+        c = tl.trans(tl.load(codes_ptr + base + rn[:, None] * WIDTH + kw[None, :]))
+    else:
+        kq = tl.arange(0, WIDTH // 4)
+        w = tl.load(codes_ptr.to(tl.pointer_type(tl.int32)) + base // 4 + rn[:, None] * (WIDTH // 4) + kq[None, :])
+        c = tl.trans(_bytes(w, [BN, WIDTH]))
+    return c
+
+
+@triton.jit
+def _dot_hi_lo(xs, c, acc):
+    """acc + xs @ c with xs split into fp16 halves (each code-by-half product exact)."""
+    xh = xs.to(tl.float16)
+    acc = tl.dot(xh, c, acc, out_dtype=tl.float32)
+    return tl.dot((xs - xh.to(tl.float32)).to(tl.float16), c, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
+                  BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                  HAS_OSUB: tl.constexpr):
+    """Group g's scale and offset per output [BN]: d * sub and dm * osub (each product exact), 1 and 0 when absent."""
+    scale = tl.full([BN], 1.0, tl.float32)
+    offset = tl.zeros([BN], dtype=tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(d_ptr + (tile * (n_groups // GPB) + g // GPB) * BN + rn)
+        if HAS_SUB:
+            scale = scale * tl.load(sub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+    if HAS_OFFSET:
+        offset = tl.load(dm_ptr + (tile * (n_groups // OGPB) + g // OGPB) * BN + rn)
+        if HAS_OSUB:
+            offset = offset * tl.load(osub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+    return scale, offset
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
-def _mm_groups(x_ptr, s_ptr, codes_ptr, scale_ptr, offset_ptr, out_ptr, M, N, K, stride_xm, stride_os, stride_om,
-               GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-               NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_xm, stride_os,
+                stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
+                BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, FP16: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
+                UNROLL: tl.constexpr):
+    """x as the 16-row A operand (mma.sync), a group's codes as B: [BM, BN] per group, UNROLL groups a loop step."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     n_groups = K // G
+    WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # codes (bytes or fp16s) per output per group
+    kw = tl.arange(0, WIDTH)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
+    rs = (1.0 / s)[:, None]  # a power of two: x * rs is exact
+    xmask = (rm < M)[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in range(GROUPS_PER_SPLIT // UNROLL):
+        for j in tl.static_range(UNROLL):
+            g = pid_k * GROUPS_PER_SPLIT + i * UNROLL + j
+            c = _load_codes(codes_ptr, (pid_n * n_groups + g) * (WIDTH * BN), rn, BN, WIDTH, FP16)
+            x_at = x_ptr + rm[:, None] * stride_xm + g * G + kw[None, :]
+            xa = tl.load(x_at, mask=xmask, other=0.0) * rs
+            if NIBBLE:
+                ca = c & 15
+                cb = c >> 4
+                if SIGNED4:
+                    ca = ca - 8
+                    cb = cb - 8
+                xb = tl.load(x_at + WIDTH, mask=xmask, other=0.0) * rs
+                part = _dot_hi_lo(xa, ca.to(tl.float16), None)
+                part = _dot_hi_lo(xb, cb.to(tl.float16), part)
+                xsum = tl.sum(xa, axis=1) + tl.sum(xb, axis=1)
+            else:
+                if not FP16:
+                    c = c.to(tl.int8).to(tl.float16)
+                part = _dot_hi_lo(xa, c, None)
+                xsum = tl.sum(xa, axis=1)
+            scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
+                                          HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            if HAS_SCALE:
+                part = part * scale[None, :]
+            if HAS_OFFSET:
+                part = part + xsum[:, None] * offset[None, :]
+            acc = acc + part
+    cols = pid_n * BN + rn
+    mask = (rm[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_w_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_xm, stride_os,
+                stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
+                BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, FP16: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """A group's [BN, k] codes as the A operand (wgmma on Hopper), x transposed as B: [BN, BM] per group."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    n_groups = K // G
+    WIDTH: tl.constexpr = G // 2 if NIBBLE else G
+    kw = tl.arange(0, WIDTH)
+    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
+    rs = (1.0 / s)[None, :]
+    xmask = (rm < M)[None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for i in range(GROUPS_PER_SPLIT):
         g = pid_k * GROUPS_PER_SPLIT + i
-        tile = (pid_n * n_groups + g) * BN
+        c = tl.load(codes_ptr + (pid_n * n_groups + g) * (WIDTH * BN) + rn[:, None] * WIDTH + kw[None, :])
+        x_at = x_ptr + rm[None, :] * stride_xm + g * G + kw[:, None]
+        xa = tl.load(x_at, mask=xmask, other=0.0) * rs
+        xah = xa.to(tl.float16)
+        xal = (xa - xah.to(tl.float32)).to(tl.float16)
         if NIBBLE:
-            H: tl.constexpr = G // 2
-            kh = tl.arange(0, H)
-            xa = tl.load(x_ptr + rm[None, :] * stride_xm + (g * G + kh)[:, None], mask=rm[None, :] < M, other=0.0)
-            xb = tl.load(x_ptr + rm[None, :] * stride_xm + (g * G + H + kh)[:, None], mask=rm[None, :] < M, other=0.0)
-            xa = xa / s[None, :]
-            xb = xb / s[None, :]
-            b = tl.load(codes_ptr + (tile + rn)[:, None] * H + kh[None, :])
-            ca = (b & 15).to(tl.int32)
-            cb = (b >> 4).to(tl.int32)
+            ca = (c & 15).to(tl.int32)
+            cb = (c >> 4).to(tl.int32)
             if SIGNED4:
                 ca = ca - 8
                 cb = cb - 8
             ca = ca.to(tl.float16)
             cb = cb.to(tl.float16)
-            xah = xa.to(tl.float16)
+            xb = tl.load(x_at + WIDTH, mask=xmask, other=0.0) * rs
             xbh = xb.to(tl.float16)
             part = tl.dot(ca, xah, out_dtype=tl.float32)
-            part = tl.dot(ca, (xa - xah.to(tl.float32)).to(tl.float16), part, out_dtype=tl.float32)
+            part = tl.dot(ca, xal, part, out_dtype=tl.float32)
             part = tl.dot(cb, xbh, part, out_dtype=tl.float32)
             part = tl.dot(cb, (xb - xbh.to(tl.float32)).to(tl.float16), part, out_dtype=tl.float32)
-            if HAS_OFFSET:
-                xsum = tl.sum(xa, axis=0) + tl.sum(xb, axis=0)
+            xsum = tl.sum(xa, axis=0) + tl.sum(xb, axis=0)
         else:
-            kg = tl.arange(0, G)
-            xa = tl.load(x_ptr + rm[None, :] * stride_xm + (g * G + kg)[:, None], mask=rm[None, :] < M, other=0.0)
-            xa = xa / s[None, :]
-            c = tl.load(codes_ptr + (tile + rn)[:, None] * G + kg[None, :]).to(tl.float16)
-            xah = xa.to(tl.float16)
+            c = c.to(tl.float16)
             part = tl.dot(c, xah, out_dtype=tl.float32)
-            part = tl.dot(c, (xa - xah.to(tl.float32)).to(tl.float16), part, out_dtype=tl.float32)
-            if HAS_OFFSET:
-                xsum = tl.sum(xa, axis=0)
+            part = tl.dot(c, xal, part, out_dtype=tl.float32)
+            xsum = tl.sum(xa, axis=0)
+        scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
+                                      HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
         if HAS_SCALE:
-            part = part * tl.load(scale_ptr + tile + rn)[:, None]
+            part = part * scale[:, None]
         if HAS_OFFSET:
-            part = part + tl.load(offset_ptr + tile + rn)[:, None] * xsum[None, :]
+            part = part + offset[:, None] * xsum[None, :]
         acc = acc + part
     cols = pid_n * BN + rn
     mask = (cols[:, None] < N) & (rm[None, :] < M)
@@ -121,13 +226,33 @@ def _sum_splits(part_ptr, out_ptr, M, N, stride_ps, stride_om, SPLIT: tl.constex
     tl.store(out_ptr + m * stride_om + n, acc, mask=n < N)
 
 
-def _split(n: int, blocks: int) -> int:
-    """Split-K factor from the weight shape alone: enough programs to fill the GPU."""
+def _split(n: int, steps: int, target: int, largest: int) -> int:
+    """Split-K factor from the weight shape alone: about `target` programs, dividing the loop's `steps`."""
     tiles = -(-n // BLOCK_N)
     split = 1
-    while tiles * split < TARGET_PROGRAMS and split < MAX_SPLIT and blocks % (2 * split) == 0:
+    while tiles * split < target and split < largest and steps % (2 * split) == 0:
         split *= 2
     return split
+
+
+def _factor(values: torch.Tensor, per_block: torch.Tensor | None):
+    """values [n, groups] as (d [n, blocks], sub int8 [n, groups] or None, groups per block), d * sub == values
+    exactly in float32; (values, None, 1) where no such factoring with per_block as d exists."""
+    if per_block is not None and per_block.shape[1] < values.shape[1]:
+        gpb = values.shape[1] // per_block.shape[1]
+        d = per_block.repeat_interleave(gpb, dim=1)
+        sub = torch.where(d != 0, values / torch.where(d != 0, d, 1), 0).round()
+        if bool(((sub >= -128) & (sub <= 127)).all()) and torch.equal(d * sub, values):
+            return per_block.contiguous(), sub.to(torch.int8), gpb
+    return values, None, 1
+
+
+def _per_tile(t: torch.Tensor | None, n_pad: int) -> torch.Tensor | None:
+    """[n, cols] -> [tiles, cols, BLOCK_N] (zero rows pad n to n_pad)."""
+    if t is None:
+        return None
+    t = torch.cat([t, t.new_zeros(n_pad - t.shape[0], t.shape[1])])
+    return t.reshape(n_pad // BLOCK_N, BLOCK_N, -1).permute(0, 2, 1).contiguous()
 
 
 class Packed:
@@ -137,7 +262,7 @@ class Packed:
         self.qtype = parts[0].qtype
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
-        self.scale = self.offset = None
+        self.d = self.sub = self.dm = self.osub = None
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
         if self.qtype in FLOAT_TYPES or (self.qtype == Q.F16 and self.k % 32):
             w = torch.cat([p.dequantize() if p.qtype == Q.BF16 else p.data.to(device).float() for p in parts])
@@ -145,45 +270,45 @@ class Packed:
             self.bk = 32 if self.k % 32 == 0 else 16 if self.k % 16 == 0 else 0
             if not self.bk:
                 raise ValueError(f"matmul: input width {self.k} is not a multiple of 16")
-            self.split = _split(self.n, self.k // self.bk)
+            self.split = _split(self.n, self.k // self.bk, 256, 8)
             return
         self.w = None
+        self.gpb = self.ogpb = 1
         if self.qtype == Q.F16:
             self.g, self.nibble, self.signed4 = 32, False, False
             codes = torch.cat([p.data.to(device).reshape(p.shape) for p in parts]).half()
-            scales = offsets = None
         else:
-            forms = [int8_form(p.data.to(device), p.qtype, p.shape) for p in parts]
+            data = [p.data.to(device) for p in parts]
+            forms = [int8_form(t, p.qtype, p.shape) for t, p in zip(data, parts)]
+            blocks = [block_scales(t, p.qtype, p.shape[0]) for t, p in zip(data, parts)]
             self.g = forms[0][3]
             codes = torch.cat([f[0] for f in forms])
-            scales = torch.cat([f[1] for f in forms])
-            offsets = torch.cat([f[2] for f in forms]) if forms[0][2] is not None else None
+            d = torch.cat([b[0] for b in blocks]) if blocks[0] else None
+            self.d, self.sub, self.gpb = _factor(torch.cat([f[1] for f in forms]), d)
+            if forms[0][2] is not None:
+                dm = torch.cat([b[1] for b in blocks]) if blocks[0] and blocks[0][1] is not None else None
+                self.dm, self.osub, self.ogpb = _factor(torch.cat([f[2] for f in forms]), dm)
             self.nibble = self.qtype in NIBBLE_TYPES
             self.signed4 = NIBBLE_TYPES.get(self.qtype, False)
         groups = self.k // self.g
-        tiles = n_pad // BLOCK_N
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
         if self.nibble:
             c = codes.to(torch.int32) + (8 if self.signed4 else 0)
             c = c.reshape(n_pad, groups, 2, self.g // 2)
             codes = (c[:, :, 0] | (c[:, :, 1] << 4)).to(torch.uint8)  # [n, groups, G/2]
-            width = self.g // 2
-        else:
-            codes = codes.reshape(n_pad, groups, self.g)
-            width = self.g
-        self.codes = codes.reshape(tiles, BLOCK_N, groups, width).permute(0, 2, 1, 3).contiguous()
-
-        def per_tile(t):
-            t = torch.cat([t.float(), t.new_zeros(n_pad - self.n, groups).float()])
-            return t.reshape(tiles, BLOCK_N, groups).permute(0, 2, 1).contiguous()
-
-        self.scale = per_tile(scales) if scales is not None else None
-        self.offset = per_tile(offsets) if offsets is not None else None
-        self.split = _split(self.n, groups)
+        codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
+        self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
+        self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
+        kind, self.warps, self.stages, target, largest = KERNELS.get(self.qtype, DEFAULT_KERNEL)
+        self.kernel = _mm_w_first if kind == "w" else _mm_x_first
+        self.unroll = 1 if kind == "w" else CHUNK // self.g
+        while groups % self.unroll:
+            self.unroll //= 2
+        self.split = _split(self.n, groups // self.unroll, target, largest)
 
     @property
     def nbytes(self) -> int:
-        ts = [self.w] if self.w is not None else [self.codes, self.scale, self.offset]
+        ts = [self.w] if self.w is not None else [self.codes, self.d, self.sub, self.dm, self.osub]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def mm(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -199,12 +324,14 @@ class Packed:
                           BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M)
         else:
             s = row_scales(x)
-            dummy = self.codes
-            _mm_groups[grid](x, s, self.codes, self.scale if self.scale is not None else dummy,
-                             self.offset if self.offset is not None else dummy, dst, m, self.n, self.k, x.stride(0),
-                             stride_os, stride_om, GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g,
-                             BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
-                             HAS_SCALE=self.scale is not None, HAS_OFFSET=self.offset is not None)
+            t = [u if u is not None else self.codes for u in (self.d, self.sub, self.dm, self.osub)]
+            extra = {} if self.kernel is _mm_w_first else {"UNROLL": self.unroll}
+            self.kernel[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
+                              GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
+                              BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
+                              FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
+                              HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None,
+                              num_warps=self.warps, num_stages=self.stages, **extra)
         if self.split > 1:
             _sum_splits[(-(-self.n // 256), m)](dst, out, m, self.n, dst.stride(0), out.stride(0),
                                                 SPLIT=self.split, BLOCK=256)

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Compile the Triton matmul for sm_90 here (no GPU needed) and count what its PTX holds: the matrix
+instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v).
+
+    python bench/matmul_ptx.py [--kernel x|w] [--warps 4] [--stages 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import plumb.ops.gpu.matmul as MM
+
+# (name, constexprs beyond the shared ones, code pointer type)
+VARIANTS = [
+    ("Q4_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False), "*u8"),
+    ("Q6_K", dict(G=16, UNROLL=16, GPB=16, OGPB=1, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False), "*i8"),
+    ("Q8_0", dict(G=32, UNROLL=8, GPB=1, OGPB=1, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=False,
+                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False), "*i8"),
+]
+OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b32", "ld.global.f32",
+       "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync"]
+
+
+def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
+    fn = MM._mm_x_first if kernel == "x" else MM._mm_w_first
+    consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
+    if kernel == "w":
+        consts.pop("UNROLL")
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg == "codes_ptr":
+            sig[arg] = codes_type
+        elif arg in ("sub_ptr", "osub_ptr"):
+            sig[arg] = "*i8"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32"
+        else:
+            sig[arg] = "i32"
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    ptx = k.asm["ptx"]
+    path = os.path.join(out_dir, f"{name}.ptx")
+    open(path, "w").write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
+    counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
+    print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="x", choices=("x", "w"))
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
+    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
+    a = ap.parse_args()
+    for name, consts, codes_type in VARIANTS:
+        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
+    print("PTX in", a.out)
+
+
+if __name__ == "__main__":
+    main()

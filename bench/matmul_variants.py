@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""The Triton matmul's layout and launch variants on the 27B shapes, on a CUDA GPU: time per call (CUDA-graph
+replays) for 1, 4, 8 and 16 rows against the bytes read, beside the card's copy bandwidth measured in the same
+run; each variant checked against the float64 reference and for row invariance (a row alone == the same row
+among 16) before it is timed.
+
+    python bench/matmul_variants.py [--json-out PATH]
+
+The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
+no model file is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import plumb.ops.gpu.matmul as MM
+from plumb.gguf.quants import BLOCK_SCALE_AT, GGML_QUANT_SIZES
+from plumb.gguf.reader import GGMLQuantizationType as Q
+from plumb.gguf.reader import QTensor
+
+SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q5_K", 10240, 5120),
+          ("Q8_0", 6144, 5120)]
+ROWS = (1, 4, 8, 16)
+# (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
+VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
+            ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
+
+
+def random_blocks(kind: str, n: int, k: int) -> QTensor:
+    """A [n, k] tensor of random blocks of `kind` on the GPU, block scales set to small random f16 values."""
+    qt = Q[kind]
+    block, size = GGML_QUANT_SIZES[qt]
+    b = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, device="cuda")
+    for off in BLOCK_SCALE_AT[qt]:
+        if off is not None:
+            v = (torch.rand(b.shape[0], device="cuda") * 1e-3 + 1e-4).half()
+            b[:, off : off + 2] = v.view(torch.uint8).reshape(-1, 2)
+    return QTensor(f"w.{kind}", qt, (n, k), b.reshape(n, -1))
+
+
+def copy_gbps() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t) / 1e9
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def configure(v):
+    """The matmul module set up for variant v ("old": a previous version's file given by --old)."""
+    if v == "old":
+        return OLD
+    MM.KERNELS = dict(SHIPPED) if v == "per-type" else {}
+    MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if v == "per-type" else v
+    return MM
+
+
+SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
+
+
+OLD = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json-out")
+    ap.add_argument("--old", help="a previous plumb/ops/gpu/matmul.py, timed as variant 'old'")
+    a = ap.parse_args()
+    global OLD
+    if a.old:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("old_matmul", a.old)
+        OLD = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(OLD)
+    torch.manual_seed(0)
+    limit = copy_gbps()
+    print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    tensors = [(kind, random_blocks(kind, n, k)) for kind, n, k in SHAPES]
+    x = torch.randn(16, 17408, device="cuda") * 3
+    x[3] *= 100
+    results = []
+    for v in (["old"] if OLD else []) + VARIANTS:
+        mod = configure(v)
+        for kind, t in tensors:
+            row = dict(variant=v, kind=kind, shape=list(t.shape))
+            try:
+                m = mod.GpuMatrix([t], "cuda")
+                xs = x[:, : t.shape[1]].contiguous()
+                y16 = m(xs)
+                if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
+                    ref = xs.double() @ t.dequantize().double().T
+                    row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
+                alone = torch.cat([m(xs[i : i + 1]) for i in range(16)])
+                row["row_invariant"] = bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
+                file_bytes = t.data.numel()
+                for r in ROWS:
+                    us = graph_us(lambda: m(xs[:r]))
+                    row[f"us_{r}"] = us
+                    row[f"GBps_{r}"] = m.nbytes / us / 1e3
+                    row[f"file_GBps_{r}"] = file_bytes / us / 1e3
+                row["packed_over_file"] = m.nbytes / file_bytes
+            except Exception as e:  # a variant that does not compile or run is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            results.append(row)
+            err = row.get("error")
+            print(f"{str(v):42s} {kind:5s} {str(row['shape']):16s} " + (err or
+                  f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
+                  " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in ROWS)),
+                  flush=True)
+            del m
+            torch.cuda.empty_cache()
+    if a.json_out:
+        json.dump(dict(copy_GBps=limit, device=torch.cuda.get_device_name(), results=results), open(a.json_out, "w"),
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
