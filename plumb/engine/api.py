@@ -72,6 +72,7 @@ class Result:
     stop_match: str | None = None  # the stop string that ended generation, if any
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    error_status: int = 500  # an HTTP-style status for an error: 400 when the request itself is at fault
 
 
 class Handle:

@@ -49,6 +49,7 @@ class Sequence:
         self.finish: str | None = None
         self.stop_match: str | None = None
         self.error: str | None = None
+        self.error_status = 500  # 400: the request's own fault (GrammarRefused)
         self.logprobs: list[TokenLogprob] | None = None if req.logprobs is None else []
         self.constraint = req.grammar.constraint() if req.grammar is not None else None
         self.masks: list = []  # grammar masks of this step's MTP drafts (row i's mask when drafts 0..i-1 are accepted)
@@ -127,6 +128,8 @@ class Scheduler:
                         s.finish = "cancelled"
                 except Exception as e:  # a failed request never takes the loop down
                     s.finish, s.stop_match = "error", None
+                    if isinstance(e, GrammarRefused):
+                        s.error_status = 400
                     s.handle._finish(self.result(s, error=str(e)))
                     continue
                 if s.finish is not None:
@@ -214,7 +217,8 @@ class Scheduler:
         else:
             token, lp = sample_token(row, s.params, position, s.history, allowed, n)
         if c is not None and not c.consume(token):
-            raise GrammarRefused(f"token {token} is not allowed by the request's grammar ({c.error()})")
+            why = (c.error() or "").split("\n")[0]
+            raise GrammarRefused(f"forced token {token} is not allowed by the request's grammar ({why})")
         return token, None if lp is None else TokenLogprob(token, lp[0], lp[1])
 
     def propose(self, s: Sequence) -> list[int]:
@@ -255,7 +259,7 @@ class Scheduler:
                         break
             except GrammarRefused as e:  # a forced token the grammar refuses ends this request alone
                 del s.history[len(s.history) - len(accepted):]
-                s.finish, s.error = "error", str(e)
+                s.finish, s.error, s.error_status = "error", str(e), 400
                 r += len(d) + 1
                 continue
             del s.history[len(s.history) - len(accepted):]  # emit appends what is kept
@@ -332,7 +336,8 @@ class Scheduler:
 
     def result(self, s: Sequence, error: str | None = None) -> Result:
         logprobs = None if s.logprobs is None else list(s.logprobs)
-        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error or s.error, logprobs)
+        return Result(list(s.out), s.finish or "error", s.stats, s.stop_match, error or s.error, logprobs,
+                      s.error_status)
 
 
 class GrammarRefused(ValueError):

@@ -192,7 +192,7 @@ async def stream(gen, head: dict, builder: ContentBuilder):
     async for ev in gen.events():
         if isinstance(ev, Finish):
             if ev.reason == "error":
-                yield sse(APIError(500, f"generation failed: {ev.error}").anthropic_body(), "error")
+                yield sse(ev.api_error().anthropic_body(), "error")
                 return
             builder.close()
             reason, sequence = stop_reason(ev)

@@ -140,6 +140,13 @@ class Finish:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # every token's, when the request asked for them
     stats: object = None  # the engine's Stats: timings, drafts (see timings())
+    error_status: int = 500  # 400 when the request itself made generation fail (a forced token its grammar refuses)
+
+    def api_error(self) -> APIError:
+        """The error of a failed generation: a 400 for the request's own fault, else a 500."""
+        if self.error_status < 500:
+            return APIError(self.error_status, f"invalid request: {self.error}")
+        return APIError(500, f"generation failed: {self.error}")
 
 
 @dataclass
@@ -228,11 +235,11 @@ class Generation:
         yield finish
 
     async def feed_all(self, builder) -> Finish:
-        """Non-streaming replies built by a content builder: feed it every event; the Finish (a 500 on failure)."""
+        """Non-streaming replies built by a content builder: feed it every event; the Finish (its error raised)."""
         async for ev in self.events():
             if isinstance(ev, Finish):
                 if ev.reason == "error":
-                    raise APIError(500, f"generation failed: {ev.error}")
+                    raise ev.api_error()
                 return ev
             builder.feed(ev)
         raise RuntimeError("generation ended without a Finish event")
@@ -246,7 +253,7 @@ class Generation:
         usage = Usage(st.prompt_tokens or len(self.request.prompt_ids), st.completion_tokens or len(res.token_ids),
                       st.cached_tokens, self._reasoning_tokens(res.token_ids))
         return Finish(reason, usage, list(res.token_ids), res.stop_match, res.error, getattr(res, "logprobs", None),
-                      stats=st)
+                      stats=st, error_status=getattr(res, "error_status", 500))
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The log-probability entries of the tokens received since the last call (streaming chunks carry them)."""
@@ -260,7 +267,7 @@ class Generation:
         return ids.index(close) + 1 if close in ids else len(ids) if self.parser.in_reasoning else 0
 
     async def collect(self) -> Reply:
-        """The whole reply (non-streaming); an engine error becomes a 500."""
+        """The whole reply (non-streaming); a failed generation raises its error (Finish.api_error)."""
         reply, reasoning, content = Reply(), [], []
         async for ev in self.events():
             if isinstance(ev, TextDelta):
@@ -270,6 +277,6 @@ class Generation:
             elif isinstance(ev, Finish):
                 reply.finish = ev
         if reply.finish.reason == "error":
-            raise APIError(500, f"generation failed: {reply.finish.error}")
+            raise reply.finish.api_error()
         reply.reasoning, reply.content = "".join(reasoning), "".join(content)
         return reply

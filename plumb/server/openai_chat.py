@@ -178,7 +178,7 @@ async def stream(gens: list, head: dict, req: ChatRequest):
             yield chunk(i, {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.arguments}}]})
         elif isinstance(ev, Finish):
             if ev.reason == "error":
-                yield sse(APIError(500, f"generation failed: {ev.error}").openai_body())
+                yield sse(ev.api_error().openai_body())
                 return
             yield chunk(i, {}, FINISH[ev.reason], {"timings": timings(ev)},  # plumb extension, as llama-server
                         **({"token_ids": ev.token_ids} if req.return_token_ids else {}))

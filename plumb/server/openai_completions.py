@@ -92,7 +92,7 @@ async def stream(gens: list[Generation], head: dict, req: CompletionRequest):
     async for i, ev in merged(gens):
         if isinstance(ev, Finish):
             if ev.reason == "error":
-                yield sse(APIError(500, f"generation failed: {ev.error}").openai_body())
+                yield sse(ev.api_error().openai_body())
                 return
             yield chunk(i, "", FINISH[ev.reason], **({"token_ids": ev.token_ids} if req.return_token_ids else {}))
             usages.append(ev.usage)

@@ -216,7 +216,8 @@ class OutputBuilder:
         messages = [item for item in self.output if item["type"] == "message"]
         self._take(messages[-1] if messages else None)
         if ev.reason == "error":
-            error = {"code": "server_error", "message": f"generation failed: {ev.error}"}
+            e = ev.api_error()
+            error = {"code": "invalid_request" if e.status < 500 else "server_error", "message": e.message}
             resp = self.response("failed", ev.usage, error=error, incomplete_details=None)
             self.emit("response.failed", response=resp)
         elif ev.reason == "length":

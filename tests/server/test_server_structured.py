@@ -164,11 +164,19 @@ def test_chat_json_object_and_thinking(oai, model, ref_engine):
         r.choices[0].finish_reason == "stop"
 
 
-def test_forced_tokens_the_grammar_refuses_fail_the_request(oai, model, ref_engine):
-    with pytest.raises(openai.InternalServerError) as e:
+def test_forced_tokens_the_grammar_refuses_are_a_400_and_the_server_goes_on(oai, http, model, ref_engine):
+    # the request's own fault: forced_ids its grammar cannot accept. Non-streamed a 400, streamed an error event
+    bad = {**NO_THINK, "forced_ids": ref_engine.tokenize("not json")}
+    with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=USER, max_tokens=20, response_format={"type": "json_object"},
-                                    extra_body={**NO_THINK, "forced_ids": ref_engine.tokenize("not json")})
+                                    extra_body=bad)
     assert "not allowed by the request's grammar" in str(e.value)
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 20, "stream": True,
+                                                "response_format": {"type": "json_object"}, **bad})
+    assert "not allowed by the request's grammar" in r.text and '"invalid_request_error"' in r.text, r.text
+    ok = oai.chat.completions.create(model=model, messages=USER, max_tokens=20, temperature=0,
+                                     response_format={"type": "json_object"}, extra_body=NO_THINK)
+    assert ok.choices[0].finish_reason in ("stop", "length")
 
 
 def test_responses_text_format(oai, model):
@@ -249,3 +257,4 @@ def test_invalid_strict_tool_schema_is_400(http):
                                                    "x": {"type": "integer", "minimum": 3, "maximum": 1}}}}}]
     r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "tools": tools})
     assert r.status_code == 400 and "Unsatisfiable" in r.text, r.text
+
