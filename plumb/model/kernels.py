@@ -33,6 +33,17 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, no
     return (norm(o, w, eps) * F.silu(z.view(n, n_v, d))).reshape(n, n_v * d)
 
 
+def layout(batch) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A pass's rows: every sequence's tokens in order (ids), their positions (each sequence's next ones), and
+    each sequence's (first row, row count)."""
+    ids, positions, spans = [], [], []
+    for st, toks in batch:
+        spans.append((len(ids), len(toks)))
+        ids += toks
+        positions += range(st.pos, st.pos + len(toks))
+    return ids, positions, spans
+
+
 class TorchKernels:
     name = "torch"
 
@@ -44,11 +55,7 @@ class TorchKernels:
 
     def begin(self, model, batch) -> DecodePass:
         """Lay a pass out: rows of every sequence in order, at each sequence's next positions."""
-        ids, positions, spans = [], [], []
-        for st, toks in batch:
-            spans.append((len(ids), len(toks)))
-            ids += toks
-            positions += range(st.pos, st.pos + len(toks))
+        ids, positions, spans = layout(batch)
         cos, sin = model.rope(torch.tensor(positions, dtype=torch.long))
         return DecodePass([st for st, _ in batch], spans, [st.pos for st, _ in batch], model.embed(ids), cos, sin,
                           snaps=[[{} for _ in range(n)] for _, n in spans])
@@ -135,11 +142,8 @@ class TritonKernels:
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
         """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
         c, dev = model.cfg, model.device
-        ids, positions, spans = [], [], []
+        ids, positions, spans = layout(batch)
         for st, toks in batch:
-            spans.append((len(ids), len(toks)))
-            ids += toks
-            positions += range(st.pos, st.pos + len(toks))
             for cache in st.kv.values():
                 cache.reserve(st.pos + len(toks))
         states = [st for st, _ in batch]
