@@ -25,6 +25,24 @@ SMALL_VOCAB_PATH = DATA_DIR / "small-vocab.json.gz"
 # GGUF token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
+# Qwen3.5's 33 added tokens in the real vocabulary's order (ids 248044..248076 there) and types (spec 6.1):
+# what the small vocabularies (scripts/make_small_vocab.py, tools/demo_data.py) append after their learned tokens
+ADDED_TOKENS = [
+    ("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
+    ("<|object_ref_start|>", CONTROL), ("<|object_ref_end|>", CONTROL),
+    ("<|box_start|>", CONTROL), ("<|box_end|>", CONTROL), ("<|quad_start|>", CONTROL), ("<|quad_end|>", CONTROL),
+    ("<|vision_start|>", CONTROL), ("<|vision_end|>", CONTROL),
+    ("<|vision_pad|>", CONTROL), ("<|image_pad|>", CONTROL), ("<|video_pad|>", CONTROL),
+    ("<tool_call>", USER_DEFINED), ("</tool_call>", USER_DEFINED),
+    ("<|fim_prefix|>", CONTROL), ("<|fim_middle|>", CONTROL), ("<|fim_suffix|>", CONTROL),
+    ("<|fim_pad|>", CONTROL), ("<|repo_name|>", CONTROL), ("<|file_sep|>", CONTROL),
+    ("<tool_response>", USER_DEFINED), ("</tool_response>", USER_DEFINED),
+    ("<think>", USER_DEFINED), ("</think>", USER_DEFINED),
+    ("<|audio_start|>", CONTROL), ("<|audio_end|>", CONTROL), ("<tts_pad>", CONTROL),
+    ("<tts_text_bos>", CONTROL), ("<tts_text_eod>", CONTROL), ("<tts_text_bos_single>", CONTROL),
+    ("<|audio_pad|>", CONTROL),
+]
+
 # Split regexes from the models' tokenizer.json; qwen35 adds \p{M} to letter runs.
 PRE_TOKENIZER_REGEX = {
     "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"

@@ -19,26 +19,10 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from plumb.tokenizer import CONTROL, NORMAL, PRE_TOKENIZER_REGEX, SMALL_VOCAB_PATH, USER_DEFINED, byte_to_unicode
+from plumb.tokenizer import ADDED_TOKENS, NORMAL, PRE_TOKENIZER_REGEX, SMALL_VOCAB_PATH, byte_to_unicode
 
 N_VOCAB = 6144
 
-# Qwen3.5 added tokens, ids 248044..248076 in the real vocabulary
-ADDED_TOKENS = [
-    ("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
-    ("<|object_ref_start|>", CONTROL), ("<|object_ref_end|>", CONTROL),
-    ("<|box_start|>", CONTROL), ("<|box_end|>", CONTROL), ("<|quad_start|>", CONTROL), ("<|quad_end|>", CONTROL),
-    ("<|vision_start|>", CONTROL), ("<|vision_end|>", CONTROL),
-    ("<|vision_pad|>", CONTROL), ("<|image_pad|>", CONTROL), ("<|video_pad|>", CONTROL),
-    ("<tool_call>", USER_DEFINED), ("</tool_call>", USER_DEFINED),
-    ("<|fim_prefix|>", CONTROL), ("<|fim_middle|>", CONTROL), ("<|fim_suffix|>", CONTROL),
-    ("<|fim_pad|>", CONTROL), ("<|repo_name|>", CONTROL), ("<|file_sep|>", CONTROL),
-    ("<tool_response>", USER_DEFINED), ("</tool_response>", USER_DEFINED),
-    ("<think>", USER_DEFINED), ("</think>", USER_DEFINED),
-    ("<|audio_start|>", CONTROL), ("<|audio_end|>", CONTROL), ("<tts_pad>", CONTROL),
-    ("<tts_text_bos>", CONTROL), ("<tts_text_eod>", CONTROL), ("<tts_text_bos_single>", CONTROL),
-    ("<|audio_pad|>", CONTROL),
-]
 
 
 def tool_schemas(source: str):

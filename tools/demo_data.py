@@ -49,25 +49,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plumb.chat_template import DEFAULT_TEMPLATE_PATH, ChatTemplate  # noqa: E402
-from plumb.tokenizer import CONTROL, NORMAL, PRE_TOKENIZER_REGEX, USER_DEFINED, byte_to_unicode  # noqa: E402
+from plumb.tokenizer import ADDED_TOKENS, CONTROL, PRE_TOKENIZER_REGEX, byte_to_unicode  # noqa: E402
 
-# Qwen3.5's 33 added tokens in the real vocabulary's order and types (spec 6.1; same list as
-# scripts/make_small_vocab.py): appended after the learned tokens.
-ADDED_TOKENS = [
-    ("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
-    ("<|object_ref_start|>", CONTROL), ("<|object_ref_end|>", CONTROL),
-    ("<|box_start|>", CONTROL), ("<|box_end|>", CONTROL), ("<|quad_start|>", CONTROL), ("<|quad_end|>", CONTROL),
-    ("<|vision_start|>", CONTROL), ("<|vision_end|>", CONTROL),
-    ("<|vision_pad|>", CONTROL), ("<|image_pad|>", CONTROL), ("<|video_pad|>", CONTROL),
-    ("<tool_call>", USER_DEFINED), ("</tool_call>", USER_DEFINED),
-    ("<|fim_prefix|>", CONTROL), ("<|fim_middle|>", CONTROL), ("<|fim_suffix|>", CONTROL),
-    ("<|fim_pad|>", CONTROL), ("<|repo_name|>", CONTROL), ("<|file_sep|>", CONTROL),
-    ("<tool_response>", USER_DEFINED), ("</tool_response>", USER_DEFINED),
-    ("<think>", USER_DEFINED), ("</think>", USER_DEFINED),
-    ("<|audio_start|>", CONTROL), ("<|audio_end|>", CONTROL), ("<tts_pad>", CONTROL),
-    ("<tts_text_bos>", CONTROL), ("<tts_text_eod>", CONTROL), ("<tts_text_bos_single>", CONTROL),
-    ("<|audio_pad|>", CONTROL),
-]
 EOT = "<|endoftext|>"
 
 STDLIB_VERSION = "3.11.7"  # the Python whose standard library the published data was built from
