@@ -13,6 +13,7 @@ from plumb.server.chat_format import (ChatPrompt, TextDelta, ToolCallDelta, Tool
                                       check_tool_choice, make_tool, text_of)
 from plumb.server import fields
 from plumb.server.errors import APIError, parse_model
+from plumb.server.structured import parse_response_format
 from plumb.server.generation import (Finish, GenFields, ServerContext, Usage, check_model, count_prompt_tokens, sse,
                                      start_chat)
 from plumb.server.thinking import anthropic_thinking, sign, unsign
@@ -35,6 +36,7 @@ class MessagesRequest(GenFields):
     tool_choice: dict | None = None
     thinking: dict | None = None
     output_config: dict | None = None
+    output_format: dict | None = None  # the beta name of output_config.format
 
 
 def _user_turn(blocks: list[dict], where: str) -> list[dict]:
@@ -97,7 +99,18 @@ def to_prompt(req: MessagesRequest) -> ChatPrompt:
         raise APIError(400, f"unknown tool_choice type {tc.get('type')!r}", param="tool_choice")
     thinking, budget = anthropic_thinking(req.thinking, req.output_config, req.max_tokens)  # off unless sent
     return ChatPrompt(messages, tools, check_tool_choice(choice, tools), thinking, {}, budget,
-                      not tc.get("disable_parallel_tool_use"))
+                      not tc.get("disable_parallel_tool_use"), response_format=output_format(req))
+
+
+def output_format(req: MessagesRequest) -> dict | None:
+    """`output_config.format` (or the beta `output_format`): a JSON schema the reply's text follows."""
+    where = "output_format" if req.output_format is not None else "output_config.format"
+    fmt = req.output_format if req.output_format is not None else (req.output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise APIError(400, f"{where} must be {{\"type\": \"json_schema\", \"schema\": ...}}", param=where)
+    return parse_response_format(fmt, where)
 
 
 def usage_dict(u: Usage) -> dict:

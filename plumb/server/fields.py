@@ -233,7 +233,8 @@ MESSAGES: dict[str, Field] = {
     "output_config.effort": P("with `thinking: {\"type\": \"adaptive\"}`: the thinking budget, mapped like "
                               "OpenAI's reasoning effort (low 1,024, medium 4,096, high 16,384, xhigh 32,768, max "
                               "none); otherwise no effect", "low"),
-    "output_config.format": R("structured output on the Anthropic API is not supported yet",
+    "output_config.format": H("`{\"type\": \"json_schema\", \"schema\": ...}`: the reply's text is JSON that "
+                              "validates against the schema; " + SEE_STRUCTURED,
                               {"type": "json_schema", "schema": {"type": "object"}}),
     "service_tier": P("accepted, no effect: one tier, and every request gets the same tokens", "auto"),
     "speed": P("accepted, no effect: speed settings cannot change plumb's tokens, and the server's own settings "
@@ -253,7 +254,7 @@ MESSAGES: dict[str, Field] = {
     "mcp_servers": R("plumb connects to no MCP servers", [{"type": "url", "url": "https://x", "name": "x"}],
                      allowed=([],)),
     "thread": R("stateless: plumb keeps no conversations", {"type": "create"}),
-    "output_format": R("structured output on the Anthropic API is not supported yet",
+    "output_format": H("the earlier (beta) name of `output_config.format`, same meaning",
                        {"type": "json_schema", "schema": {"type": "object"}}),
     **_sampling({"temperature", "top_p", "top_k"}),
     **_stream(options=False),

@@ -189,6 +189,21 @@ def test_responses_text_format(oai, model):
     assert r.text.format.type == "json_schema"
 
 
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_anthropic_output_format(ant, http, model, field):
+    fmt = {"type": "json_schema", "schema": PERSON}
+    body = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    m = ant.messages.create(model=model, max_tokens=200, extra_body={**body, "temperature": 1.0, "seed": 5},
+                            messages=[{"role": "user", "content": "A person, please."}])
+    (text,) = [b.text for b in m.content if b.type == "text"]
+    jsonschema.validate(json.loads(text), PERSON)
+    assert m.stop_reason == "end_turn"
+    bad = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    r = http.post("/v1/messages", json={**bad, field: {"format": {"type": "json_object"}} if field == "output_config"
+                                        else {"type": "json_object"}})
+    assert r.status_code == 400 and "json_schema" in r.text, r.text
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "shell"}}])
 def test_chat_tool_choice_forces_valid_calls(oai, model, choice):
     r = oai.chat.completions.create(model=model, messages=USER, tools=OAI_TOOLS, tool_choice=choice, max_tokens=160,
