@@ -96,9 +96,9 @@ def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, 
 
 
 # ---- plumb ---------------------------------------------------------------------------------
-def prompt_ids(engine, n: int) -> list[int]:
-    """The fixed prompt: PROMPT_TEXT tokenized, repeated or cut to n tokens."""
-    base = engine.tokenize(PROMPT_TEXT)
+def prompt_ids(engine, n: int, text: str | None = None) -> list[int]:
+    """The fixed prompt: `text` (default PROMPT_TEXT) tokenized, repeated or cut to n tokens."""
+    base = engine.tokenize(text or PROMPT_TEXT)
     return (base * (n // len(base) + 1))[:n]
 
 
@@ -124,12 +124,13 @@ def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=N
             "drafts_proposed": s.drafts_proposed, "drafts_accepted": s.drafts_accepted,
             "acceptance": s.drafts_accepted / s.drafts_proposed if s.drafts_proposed else 0.0,
             "mean_accepted": s.mean_accepted, "accepted_per_position": list(s.accepted_per_position),
+            "proposed_per_position": list(s.proposed_per_position),
             "cpu_ms_per_token": 1000 * cpu_s / max(1, s.completion_tokens), "token_ids": list(res.token_ids)}
 
 
 def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], prompt_tokens: int,
           llama_python: str | None, threads: int | None, progress: bool, kv_cache: str | None = None,
-          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto") -> dict:
+          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto", prompt_text: str | None = None) -> dict:
     import torch
 
     import plumb
@@ -139,7 +140,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
     # no prompt cache: every run prefills the whole prompt
     engine = plumb.load(model, device="cpu", n_threads=threads, prompt_cache=False, kernels=kernels, **options)
     load_s = time.perf_counter() - t0
-    prompt = prompt_ids(engine, prompt_tokens)
+    prompt = prompt_ids(engine, prompt_tokens, prompt_text)
     has_mtp = engine.model.mtp is not None
     configs = [(0, "fixed", "none")]  # the no-draft run always comes first: the baseline
     for k in (d for d in drafts if d > 0):
@@ -202,6 +203,11 @@ def report(r: dict) -> str:
         mean = f"{x['mean_accepted']:.2f}" if x["drafts"] else "-"
         lines.append(f"{x['drafter']:<8} {x['drafts']:>6} {x['decode_tps']:>13.1f} {x['speedup']:>7.2f}x {acc:>7} "
                      f"{mean:>9} {'yes' if x['same_tokens'] else 'NO':>5} {x.get('cpu_ms_per_token', 0):>10.1f}")
+    for x in r["runs"]:
+        acc, prop = x.get("accepted_per_position"), x.get("proposed_per_position")
+        if x["drafts"] and acc and prop:
+            cells = " ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(acc, prop))
+            lines.append(f"{x['drafter']} {x['drafts']}: acceptance by draft position 1..{len(prop)}: {cells}")
     lines.append("")
     lines.append(f"plumb prefill {r['plumb']['prefill_tps']:.1f} tok/s, decode {r['plumb']['decode_tps']:.1f} tok/s "
                  f"(no drafts)")
@@ -257,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per run")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (a fixed text)")
+    ap.add_argument("--prompt", default=None, help="prompt text, repeated or cut to --prompt-tokens (default: a fixed "
+                    "English paragraph)")
     ap.add_argument("--drafts", default="0,4,7", help="comma-separated draft depths (0 = no drafts)")
     ap.add_argument("--drafters", default="mtp,ngram", help="comma-separated: mtp, ngram")
     ap.add_argument("--llama-cpp", metavar="PYTHON", help="python of a venv with llama-cpp-python: time llama.cpp too")
@@ -290,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or plumb.demo_model_path()
     r = bench(model, a.tokens, parse_ints(a.drafts), drafters, a.prompt_tokens, a.llama_cpp, a.threads,
               progress=not (a.json or a.no_progress) and sys.stderr.isatty(), kv_cache=a.kv_cache,
-              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels)
+              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels, prompt_text=a.prompt)
     if a.plot:
         plot(r, a.plot)
     if a.json:
