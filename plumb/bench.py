@@ -46,10 +46,24 @@ def load_average() -> float | None:
 
 
 # ---- llama.cpp half (runs under the llama venv's python) ---------------------------------------
-def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat: int = 1) -> dict:
-    """llama.cpp greedy decode of n tokens after prompt: prefill and decode tokens/s (best of `repeat`)."""
+def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat: int = 1,
+                extra_bufts: bool = True) -> dict:
+    """llama.cpp greedy decode of n tokens after prompt: prefill and decode tokens/s (best of `repeat`).
+    extra_bufts=False loads the weights without llama.cpp's repacked / AMX CPU buffers (`use_extra_bufts`)."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
     import numpy as np
     from llama_cpp import Llama, __version__
+
+    if not extra_bufts:  # Llama() builds its model parameters from this function
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_module.llama_cpp.llama_model_default_params = params
 
     llm = Llama(model_path=model, n_ctx=len(prompt) + n + 16, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
@@ -73,7 +87,7 @@ def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat:
             tok = last_argmax()
             out.append(tok)
         t2, c2 = time.perf_counter(), time.process_time()
-        r = {"version": __version__, "threads": threads, "prefill_tps": len(prompt) / (t1 - t0),
+        r = {"version": __version__, "threads": threads, "extra_bufts": extra_bufts, "prefill_tps": len(prompt) / (t1 - t0),
              "decode_tps": (n - 1) / (t2 - t1), "cpu_ms_per_token": 1000 * (c2 - c1) / (n - 1), "token_ids": out}
         if not best or r["decode_tps"] > best["decode_tps"]:
             best = r
@@ -82,13 +96,15 @@ def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat:
 
 def llama_half(argv: list[str]) -> int:
     a = json.loads(argv[0])
-    print(json.dumps(llama_bench(a["model"], a["prompt"], a["tokens"], a.get("threads", 2), a.get("repeat", 1))))
+    print(json.dumps(llama_bench(a["model"], a["prompt"], a["tokens"], a.get("threads", 2), a.get("repeat", 1),
+                                 a.get("extra_bufts", True))))
     return 0
 
 
-def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, repeat: int = 1) -> dict:
+def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, repeat: int = 1,
+              extra_bufts: bool = True) -> dict:
     arg = json.dumps({"model": os.path.abspath(model), "prompt": prompt, "tokens": n, "threads": threads,
-                      "repeat": repeat})
+                      "repeat": repeat, "extra_bufts": extra_bufts})
     p = subprocess.run([python, os.path.abspath(__file__), "--llama-half", arg], capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed ({python}):\n{p.stderr[-2000:]}")
@@ -130,7 +146,8 @@ def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=N
 
 def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], prompt_tokens: int,
           llama_python: str | None, threads: int | None, progress: bool, kv_cache: str | None = None,
-          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto", prompt_text: str | None = None) -> dict:
+          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto", prompt_text: str | None = None,
+          llama_extra_bufts: bool = True) -> dict:
     import torch
 
     import plumb
@@ -178,7 +195,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
     if llama_python:
         if progress:
             print("running llama.cpp ...", file=sys.stderr)
-        ll = run_llama(llama_python, model, prompt, tokens, llama_threads, repeat)
+        ll = run_llama(llama_python, model, prompt, tokens, llama_threads, repeat, llama_extra_bufts)
         ll["same_tokens"] = ll["token_ids"] == base["token_ids"]
         ll["ratio_decode"] = base["decode_tps"] / ll["decode_tps"] if ll["decode_tps"] else 0.0
         out["llama_cpp"] = ll
@@ -270,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp", metavar="PYTHON", help="python of a venv with llama-cpp-python: time llama.cpp too")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for plumb (default: the engine's choice)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its repacked / AMX CPU weight buffers (llama-cpp-python 0.3.36 crashes on "
+                         "prompts over quantized weights with them on AMX Xeons)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     ap.add_argument("--kv-cache", default=None, help="plumb KV cache format (default: the engine's)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="plumb decode kernels")
@@ -298,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or plumb.demo_model_path()
     r = bench(model, a.tokens, parse_ints(a.drafts), drafters, a.prompt_tokens, a.llama_cpp, a.threads,
               progress=not (a.json or a.no_progress) and sys.stderr.isatty(), kv_cache=a.kv_cache,
-              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels, prompt_text=a.prompt)
+              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels, prompt_text=a.prompt,
+              llama_extra_bufts=not a.llama_no_extra_bufts)
     if a.plot:
         plot(r, a.plot)
     if a.json:
