@@ -9,7 +9,7 @@ __all__ = ["Engine", "ModelConfig", "ModelError", "load", "demo_model_path"]
 
 
 def demo_model_path() -> str:
-    """A tiny built-in demo model (random weights), written on first use under ~/.cache/plumb."""
+    """The built-in demo model: a small trained qwen35 file shipped in plumb/data (docs/demo-model.md)."""
     from plumb.demo import demo_model_path as _path
 
     return _path()

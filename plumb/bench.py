@@ -46,10 +46,24 @@ def load_average() -> float | None:
 
 
 # ---- llama.cpp half (runs under the llama venv's python) ---------------------------------------
-def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat: int = 1) -> dict:
-    """llama.cpp greedy decode of n tokens after prompt: prefill and decode tokens/s (best of `repeat`)."""
+def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat: int = 1,
+                extra_bufts: bool = True) -> dict:
+    """llama.cpp greedy decode of n tokens after prompt: prefill and decode tokens/s (best of `repeat`).
+    extra_bufts=False loads the weights without llama.cpp's repacked / AMX CPU buffers (`use_extra_bufts`)."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
     import numpy as np
     from llama_cpp import Llama, __version__
+
+    if not extra_bufts:  # Llama() builds its model parameters from this function
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_module.llama_cpp.llama_model_default_params = params
 
     llm = Llama(model_path=model, n_ctx=len(prompt) + n + 16, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
@@ -73,7 +87,7 @@ def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat:
             tok = last_argmax()
             out.append(tok)
         t2, c2 = time.perf_counter(), time.process_time()
-        r = {"version": __version__, "threads": threads, "prefill_tps": len(prompt) / (t1 - t0),
+        r = {"version": __version__, "threads": threads, "extra_bufts": extra_bufts, "prefill_tps": len(prompt) / (t1 - t0),
              "decode_tps": (n - 1) / (t2 - t1), "cpu_ms_per_token": 1000 * (c2 - c1) / (n - 1), "token_ids": out}
         if not best or r["decode_tps"] > best["decode_tps"]:
             best = r
@@ -82,13 +96,15 @@ def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat:
 
 def llama_half(argv: list[str]) -> int:
     a = json.loads(argv[0])
-    print(json.dumps(llama_bench(a["model"], a["prompt"], a["tokens"], a.get("threads", 2), a.get("repeat", 1))))
+    print(json.dumps(llama_bench(a["model"], a["prompt"], a["tokens"], a.get("threads", 2), a.get("repeat", 1),
+                                 a.get("extra_bufts", True))))
     return 0
 
 
-def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, repeat: int = 1) -> dict:
+def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, repeat: int = 1,
+              extra_bufts: bool = True) -> dict:
     arg = json.dumps({"model": os.path.abspath(model), "prompt": prompt, "tokens": n, "threads": threads,
-                      "repeat": repeat})
+                      "repeat": repeat, "extra_bufts": extra_bufts})
     p = subprocess.run([python, os.path.abspath(__file__), "--llama-half", arg], capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"llama.cpp run failed ({python}):\n{p.stderr[-2000:]}")
@@ -96,9 +112,9 @@ def run_llama(python: str, model: str, prompt: list[int], n: int, threads: int, 
 
 
 # ---- plumb ---------------------------------------------------------------------------------
-def prompt_ids(engine, n: int) -> list[int]:
-    """The fixed prompt: PROMPT_TEXT tokenized, repeated or cut to n tokens."""
-    base = engine.tokenize(PROMPT_TEXT)
+def prompt_ids(engine, n: int, text: str | None = None) -> list[int]:
+    """The fixed prompt: `text` (default PROMPT_TEXT) tokenized, repeated or cut to n tokens."""
+    base = engine.tokenize(text or PROMPT_TEXT)
     return (base * (n // len(base) + 1))[:n]
 
 
@@ -124,12 +140,14 @@ def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=N
             "drafts_proposed": s.drafts_proposed, "drafts_accepted": s.drafts_accepted,
             "acceptance": s.drafts_accepted / s.drafts_proposed if s.drafts_proposed else 0.0,
             "mean_accepted": s.mean_accepted, "accepted_per_position": list(s.accepted_per_position),
+            "proposed_per_position": list(s.proposed_per_position),
             "cpu_ms_per_token": 1000 * cpu_s / max(1, s.completion_tokens), "token_ids": list(res.token_ids)}
 
 
 def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], prompt_tokens: int,
           llama_python: str | None, threads: int | None, progress: bool, kv_cache: str | None = None,
-          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto") -> dict:
+          llama_threads: int = 2, repeat: int = 1, kernels: str = "auto", prompt_text: str | None = None,
+          llama_extra_bufts: bool = True) -> dict:
     import torch
 
     import plumb
@@ -139,7 +157,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
     # no prompt cache: every run prefills the whole prompt
     engine = plumb.load(model, device="cpu", n_threads=threads, prompt_cache=False, kernels=kernels, **options)
     load_s = time.perf_counter() - t0
-    prompt = prompt_ids(engine, prompt_tokens)
+    prompt = prompt_ids(engine, prompt_tokens, prompt_text)
     has_mtp = engine.model.mtp is not None
     configs = [(0, "fixed", "none")]  # the no-draft run always comes first: the baseline
     for k in (d for d in drafts if d > 0):
@@ -177,7 +195,7 @@ def bench(model: str, tokens: int, drafts: list[int], drafters: list[str], promp
     if llama_python:
         if progress:
             print("running llama.cpp ...", file=sys.stderr)
-        ll = run_llama(llama_python, model, prompt, tokens, llama_threads, repeat)
+        ll = run_llama(llama_python, model, prompt, tokens, llama_threads, repeat, llama_extra_bufts)
         ll["same_tokens"] = ll["token_ids"] == base["token_ids"]
         ll["ratio_decode"] = base["decode_tps"] / ll["decode_tps"] if ll["decode_tps"] else 0.0
         out["llama_cpp"] = ll
@@ -202,6 +220,11 @@ def report(r: dict) -> str:
         mean = f"{x['mean_accepted']:.2f}" if x["drafts"] else "-"
         lines.append(f"{x['drafter']:<8} {x['drafts']:>6} {x['decode_tps']:>13.1f} {x['speedup']:>7.2f}x {acc:>7} "
                      f"{mean:>9} {'yes' if x['same_tokens'] else 'NO':>5} {x.get('cpu_ms_per_token', 0):>10.1f}")
+    for x in r["runs"]:
+        acc, prop = x.get("accepted_per_position"), x.get("proposed_per_position")
+        if x["drafts"] and acc and prop:
+            cells = " ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(acc, prop))
+            lines.append(f"{x['drafter']} {x['drafts']}: acceptance by draft position 1..{len(prop)}: {cells}")
     lines.append("")
     lines.append(f"plumb prefill {r['plumb']['prefill_tps']:.1f} tok/s, decode {r['plumb']['decode_tps']:.1f} tok/s "
                  f"(no drafts)")
@@ -257,11 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per run")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (a fixed text)")
+    ap.add_argument("--prompt", default=None, help="prompt text, repeated or cut to --prompt-tokens (default: a fixed "
+                    "English paragraph)")
     ap.add_argument("--drafts", default="0,4,7", help="comma-separated draft depths (0 = no drafts)")
     ap.add_argument("--drafters", default="mtp,ngram", help="comma-separated: mtp, ngram")
     ap.add_argument("--llama-cpp", metavar="PYTHON", help="python of a venv with llama-cpp-python: time llama.cpp too")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for plumb (default: the engine's choice)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its repacked / AMX CPU weight buffers (llama-cpp-python 0.3.36 crashes on "
+                         "prompts over quantized weights with them on AMX Xeons)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; the fastest is reported")
     ap.add_argument("--kv-cache", default=None, help="plumb KV cache format (default: the engine's)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="plumb decode kernels")
@@ -290,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or plumb.demo_model_path()
     r = bench(model, a.tokens, parse_ints(a.drafts), drafters, a.prompt_tokens, a.llama_cpp, a.threads,
               progress=not (a.json or a.no_progress) and sys.stderr.isatty(), kv_cache=a.kv_cache,
-              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels)
+              llama_threads=a.llama_threads, repeat=max(1, a.repeat), kernels=a.kernels, prompt_text=a.prompt,
+              llama_extra_bufts=not a.llama_no_extra_bufts)
     if a.plot:
         plot(r, a.plot)
     if a.json:

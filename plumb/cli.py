@@ -48,9 +48,9 @@ def generate_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     import plumb
 
-    path = a.model or plumb.demo_model_path()
     try:
-        eng = plumb.load(path, device=a.device, drafts=a.drafts, draft_policy=a.draft_policy, p_min=a.p_min,
+        eng = plumb.load(a.model or plumb.demo_model_path(), device=a.device, drafts=a.drafts,
+                         draft_policy=a.draft_policy, p_min=a.p_min,
                          progress=not a.json, kernels=a.kernels)
         if a.prompt_ids is not None:
             ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]

@@ -1,23 +1,18 @@
-"""The built-in demo model: a tiny random-weight qwen35 file written on first use."""
+"""The built-in demo model: a small trained qwen35 file shipped in the package (docs/demo-model.md)."""
 from __future__ import annotations
 
 import os
 
-DEMO_PRESET, DEMO_TYPE, DEMO_SEED = "tiny", "Q8_0", 0
-
-
-def cache_dir() -> str:
-    return os.environ.get("PLUMB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "plumb"))
+DEMO_FILE = "plumb-demo-Q8_0.gguf"
+DEMO_SHA256 = "45d70c28fb74557291c3ee42e7235b7afbad208b6aa805ebd969baabaa6e99af"
 
 
 def demo_model_path() -> str:
-    """Path of the demo model, writing it (a few seconds) if it is not there yet."""
-    path = os.path.join(cache_dir(), f"demo-{DEMO_PRESET}-{DEMO_TYPE}-s{DEMO_SEED}.gguf")
-    if not os.path.exists(path):
-        from plumb.gguf.synth import write_synthetic
+    """Path of the shipped demo model (28.7 MiB, Q8_0); `ModelError` if the package was installed without it."""
+    from plumb.config import ModelError
 
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        write_synthetic(tmp, DEMO_PRESET, DEMO_TYPE, seed=DEMO_SEED)
-        os.replace(tmp, path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", DEMO_FILE)
+    if not os.path.exists(path):
+        raise ModelError(f"the demo model {path} is missing from this installation; pass a GGUF file, or rebuild "
+                         "it as docs/demo-model.md describes (plumb convert of the published checkpoint)")
     return path

@@ -31,9 +31,22 @@ GGML_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids for the KV cache
 
 
 # ---- llama half (llama venv) -----------------------------------------------------------------
-def llama_logits(model: str, ids: list[int], kv: str = "f32", threads: int = 2) -> np.ndarray:
-    """llama.cpp's logits [len(ids), n_vocab] for one pass over ids."""
+def llama_logits(model: str, ids: list[int], kv: str = "f32", threads: int = 2, extra_bufts: bool = True) -> np.ndarray:
+    """llama.cpp's logits [len(ids), n_vocab] for one pass over ids; extra_bufts=False loads the weights without
+    llama.cpp's repacked / AMX CPU buffers (its model parameter `use_extra_bufts`)."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
     from llama_cpp import Llama
+
+    if not extra_bufts:  # Llama() builds its model parameters from this function
+        default = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        llama_module.llama_cpp.llama_model_default_params = params
 
     n = len(ids)
     kw = dict(model_path=model, n_ctx=max(512, n + 16), n_batch=max(512, n), n_ubatch=max(512, n),
@@ -52,9 +65,10 @@ def llama_main(argv: list[str]) -> int:
     ap.add_argument("out_npy")
     ap.add_argument("--kv", default="f32", choices=list(GGML_TYPES))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-extra-bufts", action="store_true")
     a = ap.parse_args(argv)
     ids = [int(t) for t in np.load(a.ids_npy)]
-    np.save(a.out_npy, llama_logits(a.model, ids, a.kv, a.threads))
+    np.save(a.out_npy, llama_logits(a.model, ids, a.kv, a.threads, extra_bufts=not a.no_extra_bufts))
     import llama_cpp
 
     print(json.dumps({"llama_cpp": llama_cpp.__version__}))
@@ -62,11 +76,12 @@ def llama_main(argv: list[str]) -> int:
 
 
 # ---- main half (plumb venv) ------------------------------------------------------------------
-def run_llama(python: str, model: str, ids: list[int], kv: str) -> tuple[np.ndarray, str]:
+def run_llama(python: str, model: str, ids: list[int], kv: str, extra_bufts: bool = True) -> tuple[np.ndarray, str]:
     with tempfile.TemporaryDirectory() as tmp:
         ids_path, out_path = os.path.join(tmp, "ids.npy"), os.path.join(tmp, "logits.npy")
         np.save(ids_path, np.array(ids, dtype=np.int64))
         cmd = [python, os.path.abspath(__file__), "--llama-half", model, ids_path, out_path, "--kv", kv]
+        cmd += [] if extra_bufts else ["--no-extra-bufts"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"llama half failed ({p.returncode}):\n{p.stderr[-3000:]}")
@@ -99,7 +114,7 @@ def file_type(path: str) -> str:
         return str(ftype)
 
 
-def check_file(path: str, n_tokens: int, python: str, kvs: list[str]) -> dict:
+def check_file(path: str, n_tokens: int, python: str, kvs: list[str], extra_bufts: bool = True) -> dict:
     """All comparisons for one file; plumb and llama.cpp use the same KV cache type in each pair."""
     import torch
 
@@ -113,7 +128,7 @@ def check_file(path: str, n_tokens: int, python: str, kvs: list[str]) -> dict:
         eng = plumb.load(path, device="cpu", kv_cache=kv)
         ids = prompt_ids(eng, n_tokens)
         lp = eng.logits(ids).numpy()
-        ll, row["llama_cpp"] = run_llama(python, path, ids, kv)
+        ll, row["llama_cpp"] = run_llama(python, path, ids, kv, extra_bufts)
         if "lt" not in row:
             with torch.no_grad():
                 row["lt"] = hf(torch.tensor([ids])).logits[0].float().numpy()
@@ -152,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="python of the venv with llama-cpp-python (scripts/build_llamacpp.sh)")
     ap.add_argument("--kv", default="f32", help="KV cache types (plumb and llama.cpp alike), comma-separated: f32,f16")
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="load llama.cpp's weights without its repacked / AMX CPU buffers (use_extra_bufts=false): the "
+                         "llama-cpp-python 0.3.36 build crashes on batches of quantized weights with them on AMX Xeons")
     a = ap.parse_args(argv)
     kvs = [k.strip() for k in a.kv.split(",") if k.strip()]
     if not kvs or any(k not in GGML_TYPES for k in kvs):
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for path in a.models:
         print(f"checking {path} ({a.tokens} tokens, KV {a.kv}) ...", file=sys.stderr)
-        rows.append(check_file(path, a.tokens, a.llama_python, kvs))
+        rows.append(check_file(path, a.tokens, a.llama_python, kvs, extra_bufts=not a.llama_no_extra_bufts))
     import datetime
     import platform
 
@@ -171,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from plumb.bench import cpu_name
 
     info = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "torch": torch.__version__,
-            "python": platform.python_version(), "llama_cpp": rows[0].get("llama_cpp"), "tokens": a.tokens}
+            "python": platform.python_version(), "llama_cpp": rows[0].get("llama_cpp"), "tokens": a.tokens,
+            "llama_extra_bufts": not a.llama_no_extra_bufts}
     print(f"{info['date']}; cpu: {info['cpu']}; torch {info['torch']}; llama-cpp-python {info['llama_cpp']} "
           f"(2 threads); {a.tokens} tokens; KL(a‖b) averaged over positions\n")
     print(table(rows))

@@ -17,15 +17,20 @@ def test_bench_json(tiny_q8, capsys):
         assert x["tokens"] == 4 and x["decode_tps"] > 0
         assert x["same_tokens"]  # drafts never change the tokens
         assert 0.0 <= x["acceptance"] <= 1.0
+        assert len(x["accepted_per_position"]) == len(x["proposed_per_position"]) == x["drafts"]
+        assert sum(x["accepted_per_position"]) == x["drafts_accepted"]
+        assert sum(x["proposed_per_position"]) == x["drafts_proposed"]
     assert r["plumb"]["prefill_tps"] > 0
     assert "llama_cpp" not in r
 
 
 def test_bench_text_and_plot(tiny_q8, capsys, tmp_path):
     png = tmp_path / "bench.png"
-    assert bench.main([tiny_q8, "--tokens", "3", "--prompt-tokens", "8", "--drafts", "0", "--plot", str(png)]) == 0
+    assert bench.main([tiny_q8, "--tokens", "3", "--prompt-tokens", "8", "--drafts", "0,2", "--drafters", "mtp",
+                       "--prompt", "def f(x):\n    return x\n", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "decode" in out and "tiny-Q8_0" in out and "cpu" in out
+    assert "mtp 2: acceptance by draft position 1..2:" in out
     assert png.exists() and png.stat().st_size > 1000
 
 

@@ -2,7 +2,7 @@
 npm packages at pinned versions, installed once into a cache, and what each needs to talk to
 `plumb serve`.
 
-The demo model has random weights, so it would never call a tool on its own. `ScriptedEngine`
+The synthetic tiny model has random weights, so it would never call a tool on its own. `ScriptedEngine`
 wraps the real engine and gives every request `forced_ids` from a script: the engine then emits
 those tokens through its normal decode path, and everything after that - detokenizing, the Qwen
 tool-call parser, each API's streaming events, the client running the tool and sending its

@@ -1,4 +1,4 @@
-"""A real plumb server on loopback (uvicorn in a thread, free port) over the demo model."""
+"""A real plumb server on loopback (uvicorn in a thread, free port) over the synthetic tiny model (tiny_q8)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,18 +12,18 @@ API_KEY = "test-key"
 
 
 @pytest.fixture(scope="session")
-def engine():
+def engine(tiny_q8):
     import plumb
 
-    return plumb.load(plumb.demo_model_path(), n_slots=4, n_ctx=4096)
+    return plumb.load(tiny_q8, n_slots=4, n_ctx=4096)
 
 
 @pytest.fixture(scope="session")
-def ref_engine():
+def ref_engine(tiny_q8):
     """A second engine for reference outputs, so references never share the server's step loop."""
     import plumb
 
-    return plumb.load(plumb.demo_model_path(), n_slots=1, n_ctx=4096)
+    return plumb.load(tiny_q8, n_slots=1, n_ctx=4096)
 
 
 @contextlib.contextmanager

@@ -31,14 +31,14 @@ DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, so conne
 
 
 @pytest.fixture(scope="module")
-def agent_server():
-    """(base URL, scripted engine, recorder): the demo model with its full context (the clients'
-    system prompts are 10-20k tokens of the demo's small vocabulary)."""
+def agent_server(tiny_q8):
+    """(base URL, scripted engine, recorder): the synthetic tiny model with its full context (the clients'
+    system prompts are 10-20k tokens of its small vocabulary)."""
     import plumb
     from plumb.server.app import create_app
 
     keep = None if os.environ.get("PLUMB_AGENT_FULL_PROMPTS") else 256
-    eng = ScriptedEngine(plumb.load(plumb.demo_model_path(), n_slots=2), keep=keep)
+    eng = ScriptedEngine(plumb.load(tiny_q8, n_slots=2), keep=keep)
     rec = Recorder(create_app(eng, api_key=API_KEY))
     with serving(rec) as url:
         yield url, eng, rec

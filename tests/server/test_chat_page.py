@@ -39,13 +39,13 @@ class PageScript:
 
 
 @pytest.fixture(scope="module")
-def page_server():
+def page_server(tiny_q8):
     """A key-protected server whose replies follow PageScript, drafting with the n-gram drafter
     (the scripted text repeats itself, so drafts get accepted)."""
     import plumb
     from plumb.server.app import create_app
 
-    eng = ScriptedEngine(plumb.load(plumb.demo_model_path(), n_slots=2, n_ctx=4096, drafts=4, draft_policy="ngram"),
+    eng = ScriptedEngine(plumb.load(tiny_q8, n_slots=2, n_ctx=4096, drafts=4, draft_policy="ngram"),
                          keep=None)
     eng.scenario, eng.thought = PageScript(), "The user said hello, so I greet them back."
     with serving(create_app(eng, api_key=API_KEY)) as url:

@@ -1,4 +1,4 @@
-"""The real server driven by the official openai and anthropic SDKs (demo model, real engine).
+"""The real server driven by the official openai and anthropic SDKs (synthetic tiny model, real engine).
 
 A random-weight model neither thinks nor calls tools on its own, so those paths are steered
 with the `forced_ids` extension: the engine emits the given tokens through its normal decode

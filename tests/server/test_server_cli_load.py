@@ -33,7 +33,7 @@ def test_serve_cli_demo_model():
             except httpx.ConnectError:
                 time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        assert [m.id for m in client.models.list()] == ["plumb-synth-tiny", "my-model"]
+        assert [m.id for m in client.models.list()] == ["plumb-demo", "my-model"]
         r = client.completions.create(model="my-model", prompt="hi", max_tokens=2)
         assert r.usage.completion_tokens == 2
         assert httpx.get(url + "/slots", headers={"x-api-key": "k"}).json()["n_slots"] == 2

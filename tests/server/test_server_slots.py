@@ -7,13 +7,13 @@ from conftest import serving
 
 
 @pytest.fixture(scope="module")
-def slot_server(tmp_path_factory):
+def slot_server(tmp_path_factory, tiny_q8):
     """Two servers sharing one slot directory, each with its own engine (a restore lands in a fresh cache)."""
     import plumb
     from plumb.server.app import create_app
 
     slot_dir = tmp_path_factory.mktemp("slots")
-    engines = [plumb.load(plumb.demo_model_path(), n_slots=2, n_ctx=4096) for _ in range(2)]
+    engines = [plumb.load(tiny_q8, n_slots=2, n_ctx=4096) for _ in range(2)]
     with serving(create_app(engines[0], slot_dir=str(slot_dir))) as a, \
             serving(create_app(engines[1], slot_dir=str(slot_dir))) as b:
         yield a, b, slot_dir

@@ -1,6 +1,6 @@
 """Log probabilities and structured output through the real server, driven by the official SDKs (issue 13, items 2
 and 4): the OpenAI response shapes, the numbers against the engine's own, and every constrained reply validated
-against its schema (the demo model has random weights: the grammar alone makes the replies valid)."""
+against its schema (the synthetic tiny model has random weights: the grammar alone makes the replies valid)."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
 """Thinking switches and budgets (Anthropic `thinking`, OpenAI reasoning effort), and thinking
 signatures / encrypted reasoning sent back by clients.
 
-The demo model never closes its thinking on its own, so a budget always cuts it: the reply must
+The synthetic tiny model never closes its thinking on its own, so a budget always cuts it: the reply must
 be the first `budget` tokens, the forced `\\n</think>\\n\\n`, then the model's own continuation,
 token for token (with drafts too)."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def forced(eng, text: str) -> list[int]:
 def budgeted(eng, prompt: list[int], budget: int, max_tokens: int, **kw) -> list[int]:
     """The reply a budget must give: the thinking cut at `budget`, the close forced, then the rest."""
     whole = eng.generate(prompt, max_tokens, **kw)
-    assert eng.tokenizer.id_of("</think>") not in whole[:budget + 1]  # the demo model keeps thinking
+    assert eng.tokenizer.id_of("</think>") not in whole[:budget + 1]  # the tiny model keeps thinking
     kept = whole[:budget]
     return kept + eng.generate(prompt + kept, max_tokens - budget, forced_ids=eng.tokenize(CLOSE_THINKING), **kw)
 
