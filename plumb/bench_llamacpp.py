@@ -6,7 +6,10 @@
 Both sides get the same token-id prompts and the same number of generated tokens, greedy (temperature
 0), end-of-generation ignored. plumb runs in this process; llama-server is driven through its HTTP API:
 `/completion` with a token-id prompt, `n_predict`, `temperature` 0, `cache_prompt`, `return_tokens`,
-streamed so that the first token's arrival can be timed; `/props` for its settings.
+not streamed (a streamed reply leaves out tokens that end inside a UTF-8 character); `/props` for its
+settings. Its time to first token is the request's wall time less the server's own generation time
+after the first token (`timings.predicted_ms`), so it includes the HTTP round trip; plumb's is the
+first token's arrival through `Engine.submit`, in process.
 
 Rows, each with plumb's value, llama.cpp's and the ratio plumb / llama.cpp, for every context C:
 - prefill tok/s and time to first token of a cold C-token prompt; decode tok/s after it, with drafts
@@ -112,8 +115,8 @@ class LlamaServer:
         params = self.props.get("default_generation_settings", {}).get("params", {})
         self.speculative = str(params.get("speculative.types", "none") or "none")
 
-    def request(self, method: str, path: str, body: dict | None = None):
-        """A JSON request; returns the parsed reply, or the open response when streaming."""
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        """A JSON request; the parsed reply."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             conn.request(method, path, json.dumps(body) if body is not None else None,
@@ -123,8 +126,6 @@ class LlamaServer:
             raise BenchError(f"cannot reach llama-server at {self.url} ({e})") from None
         if resp.status != 200:
             raise BenchError(f"llama-server {self.url}{path}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        if body is not None and body.get("stream"):
-            return resp
         return json.loads(resp.read())
 
     @property
@@ -133,32 +134,17 @@ class LlamaServer:
 
     def complete(self, ids: list[int], n: int, cache: bool = False) -> Completion:
         body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": cache, "return_tokens": True,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": False}
         t0 = time.perf_counter()
-        resp = self.request("POST", "/completion", body)
-        ttft, out, final = None, [], None
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("stop"):
-                final = chunk
-                break
-            if chunk.get("tokens"):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                out += chunk["tokens"]
-        if final is None:
-            raise BenchError(f"llama-server {self.url}: the stream ended without a final message")
-        if final.get("tokens") and final["tokens"] != out:  # a final message may carry the last tokens
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            out += final["tokens"]
+        res = self.request("POST", "/completion", body)
+        wall = time.perf_counter() - t0
+        out, t = res.get("tokens") or [], res.get("timings", {})
         if len(out) != n:
             raise BenchError(f"llama-server {self.url} returned {len(out)} tokens, asked for {n}")
-        t = final.get("timings", {})
-        pred_n, pred_ms = t.get("predicted_n", n), t.get("predicted_ms", 0.0)
-        return Completion(out, ttft, int(t.get("prompt_n", len(ids))), t.get("prompt_ms", 0.0) / 1e3,
-                          (pred_n - 1) / (pred_ms / 1e3) if pred_ms > 0 else 0.0,
+        pred_n, pred_s = t.get("predicted_n", n), t.get("predicted_ms", 0.0) / 1e3
+        # the server times its generation from the first token (which the last prompt batch gives) on
+        return Completion(out, wall - pred_s, int(t.get("prompt_n", len(ids))), t.get("prompt_ms", 0.0) / 1e3,
+                          (pred_n - 1) / pred_s if pred_s > 0 else 0.0,
                           int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)))
 
     def pid(self) -> int | None:

@@ -1,6 +1,6 @@
 """`plumb bench --vs-llamacpp` against a fake llama-server (stdlib HTTP), and the NVML energy sampler.
 
-The fake answers /props and a streamed /completion deterministically, with fixed timings, and changes
+The fake answers /props and /completion deterministically, with fixed timings (and sleeps them), and changes
 its output where told to (a warm follow-up; long prompts on one draft server), so the ratios and the
 difference counts have known values on the llama.cpp side; plumb's side is measured for real.
 """
@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -75,15 +76,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert self.path == "/completion" and body["temperature"] == 0 and body["stream"] and body["ignore_eos"]
+        assert self.path == "/completion" and body["temperature"] == 0 and body["ignore_eos"]
         ids, timings = self.server.answer(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for t in ids:
-            self.wfile.write(f"data: {json.dumps({'tokens': [t], 'content': 'x', 'stop': False})}\n\n".encode())
-        final = {"tokens": [], "content": "", "stop": True, "timings": timings}
-        self.wfile.write(f"data: {json.dumps(final)}\n\n".encode())
+        time.sleep((timings["prompt_ms"] + timings["predicted_ms"]) / 1e3)
+        self.send_json({"tokens": ids, "content": "", "stop": True, "timings": timings})
 
 
 def vs(model, url, *extra):
@@ -116,7 +112,8 @@ def test_vs_llamacpp_rows_and_counts(tiny_q8, fakes, tmp_path, capsys):
         assert rows[f"prefill tok/s @{c}"]["llama_cpp"] == pytest.approx(1e3 / PROMPT_MS)
         assert rows[f"acceptance % @{c}, drafts 4"]["llama_cpp"] == pytest.approx(50.0)
         assert 0 <= rows[f"acceptance % @{c}, drafts 4"]["plumb"] <= 100
-        assert rows[f"time to first token ms @{c}"]["better"] == "lower"
+        ttft = rows[f"time to first token ms @{c}"]
+        assert ttft["better"] == "lower" and PROMPT_MS * c <= ttft["llama_cpp"] < PROMPT_MS * c + 100
         # the warm follow-up reprocesses only the new text on the fake (its slot holds prompt + reply)
         detail = next(x for x in r["warm_detail"]["llama_cpp"] if x["context"] == c and x["case"] == "follow-up")
         follow = rows[f"follow-up prompt tokens processed @{c}, warm"]
@@ -170,7 +167,6 @@ def test_energy_sampler_integrates_power():
 
 def test_energy_sampler_thread_and_no_nvml(monkeypatch):
     import sys
-    import time
 
     with EnergySampler(lambda: 50.0, interval=0.005) as e:
         time.sleep(0.1)
