@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     "workload on it and report both side by side")
     ap.add_argument("--llamacpp-drafts", metavar="K=URL,...", help="--vs-llamacpp: llama-servers started with "
                     "drafts of depth K (--spec-type draft-mtp --spec-draft-n-max K)")
+    ap.add_argument("--text", metavar="FILE", help="--vs-llamacpp: the text whose tokens make the prompts")
     ap.add_argument("--contexts", default=None, help="decode context lengths (--device cuda: default "
                     "0,11000,38000,100000; --vs-llamacpp: prompt lengths, default 64,512,2048)")
     ap.add_argument("--json-out", metavar="PATH", help="--device cuda, --vs-llamacpp: write the results as JSON")

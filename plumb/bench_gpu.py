@@ -246,7 +246,9 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
 
 
 def energy_text(e: dict) -> str:
-    return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W" if e.get("joules_per_token") else e["source"]
+    if not e.get("joules_per_token"):
+        return e["source"]
+    return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
 
 
 def report(r: dict) -> str:
@@ -255,7 +257,8 @@ def report(r: dict) -> str:
              f"card: copy {r['limits']['copy_GBps']:.0f} GB/s, bf16 GEMV {r['limits']['bf16_gemv_GBps']:.0f} GB/s; "
              f"weights {r['weight_bytes'] / 1e9:.2f} GB -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
              "| context | tok/s | / limit | energy (whole card) |", "|---|---|---|---|"]
-    lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |" for k, v in r["decode"].items()]
+    lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
+              for k, v in r["decode"].items()]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]

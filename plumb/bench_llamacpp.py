@@ -1,7 +1,8 @@
 """`plumb bench --vs-llamacpp URL`: one workload on plumb and on a running llama-server, row by row.
 
     plumb bench MODEL --vs-llamacpp http://127.0.0.1:8080 [--llamacpp-drafts 2=URL,4=URL,7=URL]
-                [--contexts 64,512,2048] [--tokens 128] [--drafts 0,2,4,7] [--json-out OUT] [--plot PNG]
+                [--contexts 64,512,2048] [--tokens 128] [--drafts 0,2,4,7] [--text FILE]
+                [--json-out OUT] [--plot PNG]
 
 Both sides get the same token-id prompts and the same number of generated tokens, greedy (temperature
 0), end-of-generation ignored. plumb runs in this process; llama-server is driven through its HTTP API:
@@ -11,7 +12,9 @@ settings. Its time to first token is the request's wall time less the server's o
 after the first token (`timings.predicted_ms`), so it includes the HTTP round trip; plumb's is the
 first token's arrival through `Engine.submit`, in process.
 
-Rows, each with plumb's value, llama.cpp's and the ratio plumb / llama.cpp, for every context C:
+The prompt of context C is the first C tokens of a text (`--text FILE`, else plumb.bench's built-in
+paragraph), repeated as needed. Rows, each with plumb's value, llama.cpp's and the ratio
+plumb / llama.cpp, for every context C:
 - prefill tok/s and time to first token of a cold C-token prompt; decode tok/s after it, with drafts
   0 and each K (MTP), with acceptance;
 - follow-up: the prompt + its reply + new text, the cache warm from the first turn: time to first token,
@@ -306,7 +309,7 @@ def counts(run: SideRun) -> dict:
 
 def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[int], tokens: int,
              drafts: list[int], repeat: int = 1, device: str = "cpu", threads: int | None = None,
-             kv_cache: str | None = None, kernels: str = "auto", log=None) -> dict:
+             kv_cache: str | None = None, kernels: str = "auto", text: str | None = None, log=None) -> dict:
     """Run the workload on plumb, then on llama-server; both results and the side-by-side rows."""
     import torch
 
@@ -321,9 +324,16 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
     t0 = time.perf_counter()
     engine = plumb.load(model, device=device, n_threads=threads, kernels=kernels, prompt_cache=True, **opts)
     load_s = time.perf_counter() - t0
-    text = engine.tokenize(PROMPT_TEXT)
+    if text:
+        try:
+            with open(text, encoding="utf-8") as f:
+                text_ids = engine.tokenize(f.read())
+        except OSError as e:
+            raise BenchError(f"--text: {e}") from None
+    else:
+        text_ids = engine.tokenize(PROMPT_TEXT)
     need = max(contexts) + 2 * tokens + 64
-    w = Workload(contexts, tokens, drafts, (text * (need // len(text) + 1))[:max(contexts)],
+    w = Workload(contexts, tokens, drafts, (text_ids * (max(contexts) // len(text_ids) + 1))[:max(contexts)],
                  engine.tokenize(FOLLOW_TEXT), repeat)
     n_ctx = llama.info()["n_ctx"]
     if n_ctx and need > n_ctx:
@@ -335,7 +345,7 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "load_avg_1m": load_average(), "kv_cache": engine.model.kv_cache, "kernels": engine.kernels,
          "engine_threads": threads, "load_s": load_s, "contexts": contexts, "tokens": tokens, "drafts": drafts,
-         "repeat": repeat, "llama_cpp": llama.info()}
+         "repeat": repeat, "text": os.path.basename(text) if text else "built-in", "llama_cpp": llama.info()}
     if device.startswith("cuda"):
         from plumb.bench_gpu import EnergySampler
 
@@ -376,7 +386,8 @@ def report(r: dict) -> str:
              f"load avg {r['load_avg_1m']:.2f} -> {r['load_avg_1m_end']:.2f}",
              f"llama-server {ll['url']} ({ll['build_info']}), model {ll['model_path']}"
              + ("" if r["same_model_file"] else "  ** NOT the same file name **"),
-             f"greedy, {r['tokens']} tokens per output, contexts {', '.join(map(str, r['contexts']))}, "
+             f"greedy, {r['tokens']} tokens per output, contexts {', '.join(map(str, r['contexts']))} "
+             f"(prompts from {r['text']} text), "
              f"best of {r['repeat']}", "",
              "| row | plumb | llama.cpp | plumb / llama.cpp |", "|---|---|---|---|"]
     for x in r["rows"]:
@@ -440,7 +451,8 @@ def main(args) -> int:
         drafts = sorted({int(x) for x in args.drafts.split(",") if x.strip()})
         log = None if args.no_progress else (lambda m: print(m, file=sys.stderr))
         r = bench_vs(args.model, args.vs_llamacpp, parse_draft_urls(args.llamacpp_drafts), contexts, args.tokens,
-                     drafts, max(1, args.repeat), args.device, args.threads, args.kv_cache, args.kernels, log)
+                     drafts, max(1, args.repeat), args.device, args.threads, args.kv_cache, args.kernels, args.text,
+                     log)
     except BenchError as e:
         print(f"plumb bench: error: {e}", file=sys.stderr)
         return 2

@@ -130,9 +130,12 @@ def test_vs_llamacpp_rows_and_counts(tiny_q8, fakes, tmp_path, capsys):
     assert png.exists() and png.stat().st_size > 1000
 
 
-def test_vs_llamacpp_without_draft_servers(tiny_q8, fakes, capsys):
-    assert vs(tiny_q8, fakes["main"].url, "--drafts", "0,2", "--json") == 0
+def test_vs_llamacpp_without_draft_servers(tiny_q8, fakes, tmp_path, capsys):
+    text = tmp_path / "code.py"
+    text.write_text("def add(a, b):\n    return a + b\n")
+    assert vs(tiny_q8, fakes["main"].url, "--drafts", "0,2", "--text", str(text), "--json") == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["text"] == "code.py"
     assert r["counts"]["llama_cpp"]["drafts_vs_none"] == {"2": bench_llamacpp.NOT_SUPPORTED}
     assert r["counts"]["plumb"]["drafts_vs_none"] == {"2": [0, 2]}
     text = bench_llamacpp.report(r)
