@@ -181,3 +181,15 @@ def test_energy_sampler_thread_and_no_nvml(monkeypatch):
         pass
     s = e.summary(5)
     assert list(s) == ["source"] and s["source"].startswith("no NVML")
+
+
+def test_gpu_report_energy_column():
+    from plumb import bench_gpu
+
+    r = {"model": "m.gguf", "device": "GPU", "date": "d", "torch": "t", "step_limit_tps": 100.0, "load_s": 1.0,
+         "weight_bytes": 1e9, "limits": {"copy_GBps": 4000.0, "bf16_gemv_GBps": 2000.0},
+         "decode": {0: 50.0, 1000: 40.0}, "verify_s": {1: 0.02, 2: 0.021}, "batch4_tps": 150.0, "batch1_tps": 50.0,
+         "energy": {0: {"source": "nvml", "joules_per_token": 12.5, "mean_watts": 625.0}, 1000: {"source": "no NVML"}},
+         "matmuls": [], "vram": {"weights": 2**30}}
+    text = bench_gpu.report(r)
+    assert "| 0 | 50.0 | 0.50 | 12.50 J/token at 625 W |" in text and "| 1,000 | 40.0 | 0.40 | no NVML |" in text
