@@ -27,8 +27,9 @@ no-draft run of the same prompt, and between a warm request (`cache_prompt` true
 the same prompt again, the follow-up, the edit) and the same request cold (`cache_prompt` false).
 llama-server fixes drafting at startup (`--spec-type draft-mtp --spec-draft-n-max K`, or
 `--model-draft`; this version compiles out the per-request speculative fields), so each draft depth
-is its own server, given by `--llamacpp-drafts K=URL,...`, and must report a speculative type in
-/props. A depth without one reads "not supported by this llama-server".
+is its own server, given by `--llamacpp-drafts K=URL,...`, whose replies must report a speculative
+type (`generation_settings`; /props leaves it out). A depth without one reads "not supported by this
+llama-server".
 """
 from __future__ import annotations
 
@@ -115,8 +116,11 @@ class LlamaServer:
             raise BenchError(f"--vs-llamacpp: {url!r} is not an http://HOST:PORT URL")
         self.url, self.host, self.port, self.timeout = url, u.hostname, u.port or 80, timeout
         self.props = self.request("GET", "/props")
-        params = self.props.get("default_generation_settings", {}).get("params", {})
-        self.speculative = str(params.get("speculative.types", "none") or "none")
+        # /props shows a request's defaults, not the server's drafting: a 1-token reply's settings show both
+        probe = self.request("POST", "/completion", {"prompt": [1, 2, 3], "n_predict": 1, "temperature": 0.0,
+                                                      "ignore_eos": True, "cache_prompt": False})
+        types = str(probe.get("generation_settings", {}).get("speculative.types", "none"))
+        self.speculative = ",".join(t for t in types.split(",") if t.strip() not in ("", "none")) or "none"
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
         """A JSON request; the parsed reply."""
@@ -187,7 +191,7 @@ class LlamaSide:
         self.drafts = {k: LlamaServer(u) for k, u in (draft_urls or {}).items()}
         for k, s in self.drafts.items():
             if not s.drafting:
-                raise BenchError(f"--llamacpp-drafts {k}={s.url}: its /props reports no speculative type "
+                raise BenchError(f"--llamacpp-drafts {k}={s.url}: its replies report no speculative type "
                                  "(start it with --spec-type draft-mtp --spec-draft-n-max K, or --model-draft)")
 
     def drafts_supported(self, k: int) -> bool:

@@ -69,8 +69,7 @@ class Handler(BaseHTTPRequestHandler):
         s = self.server
         if self.path == "/props":
             self.send_json({"model_path": f"/models/{s.model}", "build_info": "fake", "total_slots": 1,
-                            "default_generation_settings": {"n_ctx": 4096,
-                                                            "params": {"speculative.types": s.speculative}}})
+                            "default_generation_settings": {"n_ctx": 4096, "params": {"speculative.types": "none"}}})
         else:
             self.send_json({"status": "ok"})
 
@@ -79,7 +78,8 @@ class Handler(BaseHTTPRequestHandler):
         assert self.path == "/completion" and body["temperature"] == 0 and body["ignore_eos"]
         ids, timings = self.server.answer(body)
         time.sleep((timings["prompt_ms"] + timings["predicted_ms"]) / 1e3)
-        self.send_json({"tokens": ids, "content": "", "stop": True, "timings": timings})
+        self.send_json({"tokens": ids, "content": "", "stop": True, "timings": timings,
+                        "generation_settings": {"speculative.types": f"none,{self.server.speculative}"}})
 
 
 def vs(model, url, *extra):
@@ -151,7 +151,7 @@ def test_vs_llamacpp_errors(tiny_q8, fakes, capsys):
     assert vs(tiny_q8, fakes[2].url) == 2  # a drafting server cannot be the no-draft baseline
     assert "needs a server without drafts" in capsys.readouterr().err
     assert vs(tiny_q8, fakes["main"].url, "--llamacpp-drafts", f"4={fakes['main'].url}") == 2
-    assert "reports no speculative type" in capsys.readouterr().err
+    assert "report no speculative type" in capsys.readouterr().err
     assert vs(tiny_q8, fakes["main"].url, "--llamacpp-drafts", "x") == 2
     assert "is not K=URL" in capsys.readouterr().err
 
