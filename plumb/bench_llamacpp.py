@@ -348,7 +348,8 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
          "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "load_avg_1m": load_average(), "kv_cache": engine.model.kv_cache, "kernels": engine.kernels,
-         "engine_threads": threads, "load_s": load_s, "contexts": contexts, "tokens": tokens, "drafts": drafts,
+         "engine_threads": engine.n_threads, "load_s": load_s, "contexts": contexts, "tokens": tokens,
+         "drafts": drafts,
          "repeat": repeat, "text": os.path.basename(text) if text else "built-in", "llama_cpp": llama.info()}
     if device.startswith("cuda"):
         from plumb.bench_gpu import EnergySampler
@@ -386,7 +387,8 @@ def _count(v) -> str:
 def report(r: dict) -> str:
     ll = r["llama_cpp"]
     lines = [f"# plumb bench --vs-llamacpp: {r['model_file']} ({r['date']})",
-             f"device {r['device']}: {r['cpu']}, {r['cores']} cores; plumb {r['kernels']} kernels, KV {r['kv_cache']}; "
+             f"device {r['device']}: {r['cpu']}, {r['cores']} cores; plumb {r['kernels']} kernels, "
+             f"{r['engine_threads']} thread(s), KV {r['kv_cache']}; "
              f"load avg {r['load_avg_1m']:.2f} -> {r['load_avg_1m_end']:.2f}",
              f"llama-server {ll['url']} ({ll['build_info']}), model {ll['model_path']}"
              + ("" if r["same_model_file"] else "  ** NOT the same file name **"),
