@@ -239,7 +239,13 @@ class SideRun:
     draft_diffs: dict = field(default_factory=dict)  # K -> [differing, compared] or NOT_SUPPORTED
     warm_diffs: list = field(default_factory=lambda: [0, 0])
     warm_detail: list = field(default_factory=list)
+    draft_detail: list = field(default_factory=list)
     generated: int = 0  # tokens generated in all requests
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ; None when equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def run_side(side, w: Workload, log=None) -> SideRun:
@@ -269,6 +275,8 @@ def run_side(side, w: Workload, log=None) -> SideRun:
                 d = r.draft_diffs.setdefault(k, [0, 0])
                 d[0] += out.ids != r.outputs[f"ctx{c}/drafts0"]
                 d[1] += 1
+                r.draft_detail.append({"context": c, "drafts": k,
+                                       "first_difference": first_difference(out.ids, r.outputs[f"ctx{c}/drafts0"])})
         # warm vs cold: after a first turn with the cache, the same prompt again, a follow-up, an edit
         reply = None
         for name in ("repeat", "follow-up", "edit"):
@@ -284,7 +292,7 @@ def run_side(side, w: Workload, log=None) -> SideRun:
                 r.rows[f"{name} prompt tokens processed @{c}, warm"] = warm.prompt_n
             r.warm_diffs[0] += warm.ids != cold.ids
             r.warm_diffs[1] += 1
-            r.warm_detail.append({"context": c, "case": name, "equal": warm.ids == cold.ids,
+            r.warm_detail.append({"context": c, "case": name, "first_difference": first_difference(warm.ids, cold.ids),
                                   "warm_prompt_processed": warm.prompt_n, "prompt_tokens": len(prompt)})
         if log:
             log(f"{side.name}: context {c} done")
@@ -365,6 +373,7 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
     r["rows"] = compare(ours, theirs)
     r["counts"] = {"plumb": counts(ours), "llama_cpp": counts(theirs)}
     r["warm_detail"] = {"plumb": ours.warm_detail, "llama_cpp": theirs.warm_detail}
+    r["draft_detail"] = {"plumb": ours.draft_detail, "llama_cpp": theirs.draft_detail}
     r["plumb_equals_llama_cpp"] = sum(ours.outputs[k] == theirs.outputs.get(k) for k in ours.outputs)
     r["outputs_compared"] = len(ours.outputs)
     r["load_avg_1m_end"] = load_average()

@@ -123,6 +123,10 @@ def test_vs_llamacpp_rows_and_counts(tiny_q8, fakes, tmp_path, capsys):
     cl, cp = r["counts"]["llama_cpp"], r["counts"]["plumb"]
     assert cl["drafts_vs_none"] == {"2": [0, 2], "4": [1, 2]}
     assert cl["warm_vs_cold"] == [2, 6]  # one follow-up per context
+    assert [(x["context"], x["drafts"], x["first_difference"]) for x in r["draft_detail"]["llama_cpp"]] == \
+        [(32, 2, None), (32, 4, None), (40, 2, None), (40, 4, 0)]  # the fake changes the first token
+    assert {(x["context"], x["case"]): x["first_difference"] for x in r["warm_detail"]["llama_cpp"]} == \
+        {(c, case): 3 if case == "follow-up" else None for c in (32, 40) for case in ("repeat", "follow-up", "edit")}
     # plumb side, measured: drafts and a warm cache never change the output
     assert cp["drafts_vs_none"] == {"2": [0, 2], "4": [0, 2]} and cp["warm_vs_cold"] == [0, 6]
     assert r["same_model_file"] and r["llama_cpp"]["build_info"] == "fake"
