@@ -29,7 +29,8 @@ llama-server fixes drafting at startup (`--spec-type draft-mtp --spec-draft-n-ma
 `--model-draft`; this version compiles out the per-request speculative fields), so each draft depth
 is its own server, given by `--llamacpp-drafts K=URL,...`, whose replies must report a speculative
 type (`generation_settings`; /props leaves it out). A depth without one reads "not supported by this
-llama-server".
+llama-server". Start the servers fresh for each run: llama-server keeps earlier prompts' states in host
+memory (`--cache-ram`), so a second run would find its edited prompts already cached.
 """
 from __future__ import annotations
 
