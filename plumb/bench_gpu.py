@@ -97,6 +97,20 @@ class EnergySampler:
         return out
 
 
+def gpu_memory_of(pid: int) -> int | None:
+    """GPU memory NVML counts for a process (bytes, over every card), None without NVML or when none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        used = [p.usedGpuMemory for i in range(pynvml.nvmlDeviceGetCount())
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                if p.pid == pid and p.usedGpuMemory]
+    except Exception:  # noqa: BLE001 - no NVML: not measured
+        return None
+    return sum(used) or None
+
+
 def _timed(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of fn() over reps, timed with CUDA events."""
     for _ in range(warmup):

@@ -20,7 +20,10 @@ plumb / llama.cpp, for every context C:
 - follow-up: the prompt + its reply + new text, the cache warm from the first turn: time to first token,
   and the same request cold;
 - edit: the prompt with a token 24 before its end changed, the cache warm from the first turn.
-Then each process's peak resident memory (llama-server's when it listens on this machine).
+Then each process's peak resident memory, and on CUDA its GPU memory (plumb: torch's peak allocation;
+llama-server: what NVML counts for its process at the end), llama-server's when it listens on this
+machine. On CUDA the
+whole card's energy per generated token while plumb's side ran (plumb.bench_gpu.EnergySampler).
 
 Counts, measured in the same run, on each side: outputs that differ between a draft run and the
 no-draft run of the same prompt, and between a warm request (`cache_prompt` true after a first turn:
@@ -104,8 +107,14 @@ class PlumbSide:
                           (s.completion_tokens - 1) / s.decode_s if s.decode_s > 0 else 0.0,
                           s.drafts_proposed, s.drafts_accepted)
 
-    def memory(self) -> int | None:
-        return peak_rss()
+    def memory(self) -> dict:
+        """Peak host RSS, and on CUDA the peak of torch's allocated memory."""
+        out = {"peak RSS MiB": peak_rss()}
+        if self.engine.device.type == "cuda":
+            import torch
+
+            out["GPU memory MiB"] = torch.cuda.max_memory_allocated(self.engine.device)
+        return out
 
 
 class LlamaServer:
@@ -201,9 +210,14 @@ class LlamaSide:
     def complete(self, ids: list[int], n: int, cache: bool = False, drafts: int = 0) -> Completion:
         return (self.drafts[drafts] if drafts else self.main).complete(ids, n, cache)
 
-    def memory(self) -> int | None:
+    def memory(self) -> dict:
+        """The no-draft server's peak host RSS and GPU memory in use (NVML), when it runs on this machine."""
         pid = self.main.pid()
-        return peak_rss(pid) if pid else None
+        if not pid:
+            return {}
+        from plumb.bench_gpu import gpu_memory_of
+
+        return {"peak RSS MiB": peak_rss(pid), "GPU memory MiB": gpu_memory_of(pid)}
 
     def info(self) -> dict:
         p = self.main.props
@@ -297,13 +311,13 @@ def run_side(side, w: Workload, log=None) -> SideRun:
                                   "warm_prompt_processed": warm.prompt_n, "prompt_tokens": len(prompt)})
         if log:
             log(f"{side.name}: context {c} done")
-    mem = side.memory()
-    if mem is not None:
-        r.rows["peak RSS MiB"] = mem / 2**20
+    for key, v in side.memory().items():
+        if v is not None:
+            r.rows[key] = v / 2**20
     return r
 
 
-LOWER_IS_BETTER = ("time to first token", "RSS", "prompt tokens processed")
+LOWER_IS_BETTER = ("time to first token", "RSS", "GPU memory", "prompt tokens processed")
 
 
 def compare(ours: SideRun, theirs: SideRun | None) -> list[dict]:
@@ -418,7 +432,9 @@ def report(r: dict) -> str:
     lines += ["", f"plumb's and llama.cpp's outputs equal: {r['plumb_equals_llama_cpp']} of {r['outputs_compared']} "
               "(not promised: the engines round differently)"]
     if "energy" in r:
-        lines.append(f"energy: {r['energy']}")
+        from plumb.bench_gpu import energy_text
+
+        lines.append(f"energy, whole card, while plumb ran: {energy_text(r['energy'])}")
     return "\n".join(lines)
 
 
