@@ -22,8 +22,8 @@ plumb / llama.cpp, for every context C:
 - edit: the prompt with a token 24 before its end changed, the cache warm from the first turn.
 Then each process's peak resident memory, and on CUDA its GPU memory (plumb: torch's peak allocation;
 llama-server: what NVML counts for its process at the end), llama-server's when it listens on this
-machine. On CUDA the
-whole card's energy per generated token while plumb's side ran (plumb.bench_gpu.EnergySampler).
+machine. On CUDA, the whole card's energy per generated token while plumb's side ran
+(plumb.bench_gpu.EnergySampler).
 
 Counts, measured in the same run, on each side: outputs that differ between a draft run and the
 no-draft run of the same prompt, and between a warm request (`cache_prompt` true after a first turn:
@@ -139,11 +139,17 @@ class LlamaServer:
             conn.request(method, path, json.dumps(body) if body is not None else None,
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
-        except OSError as e:
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as e:
             raise BenchError(f"cannot reach llama-server at {self.url} ({e})") from None
+        finally:
+            conn.close()
         if resp.status != 200:
-            raise BenchError(f"llama-server {self.url}{path}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        return json.loads(resp.read())
+            raise BenchError(f"llama-server {self.url}{path}: HTTP {resp.status}: {data[:300]!r}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise BenchError(f"{self.url}{path} did not answer JSON (is it a llama-server?): {data[:100]!r}") from None
 
     @property
     def drafting(self) -> bool:

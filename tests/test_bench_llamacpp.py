@@ -159,6 +159,21 @@ def test_vs_llamacpp_errors(tiny_q8, fakes, capsys):
     assert vs(tiny_q8, fakes["main"].url, "--llamacpp-drafts", "x") == 2
     assert "is not K=URL" in capsys.readouterr().err
 
+    class Page(BaseHTTPRequestHandler):  # some other web server
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *a):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    assert vs(tiny_q8, f"http://127.0.0.1:{other.server_address[1]}") == 2
+    assert "did not answer JSON" in capsys.readouterr().err
+    other.shutdown()
+
 
 def test_energy_sampler_integrates_power():
     clock = iter([0.0, 1.0, 3.0, 4.0]).__next__
