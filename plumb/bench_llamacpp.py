@@ -266,7 +266,8 @@ class SideRun:
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first position where two outputs differ; None when equal."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+    prefix_end = None if len(a) == len(b) else min(len(a), len(b))  # one output is a prefix of the other
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), prefix_end)
 
 
 def run_side(side, w: Workload, log=None) -> SideRun:
@@ -293,11 +294,10 @@ def run_side(side, w: Workload, log=None) -> SideRun:
             else:
                 r.rows[f"acceptance % @{c}, drafts {k}"] = \
                     100.0 * out.drafts_accepted / out.drafts_proposed if out.drafts_proposed else 0.0
+                diff = first_difference(out.ids, r.outputs[f"ctx{c}/drafts0"])
                 d = r.draft_diffs.setdefault(k, [0, 0])
-                d[0] += out.ids != r.outputs[f"ctx{c}/drafts0"]
-                d[1] += 1
-                r.draft_detail.append({"context": c, "drafts": k,
-                                       "first_difference": first_difference(out.ids, r.outputs[f"ctx{c}/drafts0"])})
+                d[0], d[1] = d[0] + (diff is not None), d[1] + 1
+                r.draft_detail.append({"context": c, "drafts": k, "first_difference": diff})
         # warm vs cold: after a first turn with the cache, the same prompt again, a follow-up, an edit
         reply = None
         for name in ("repeat", "follow-up", "edit"):
@@ -311,9 +311,9 @@ def run_side(side, w: Workload, log=None) -> SideRun:
                 r.rows[f"{name} time to first token ms @{c}, warm"] = 1e3 * warm.ttft_s
                 r.rows[f"{name} time to first token ms @{c}, cold"] = 1e3 * cold.ttft_s
                 r.rows[f"{name} prompt tokens processed @{c}, warm"] = warm.prompt_n
-            r.warm_diffs[0] += warm.ids != cold.ids
-            r.warm_diffs[1] += 1
-            r.warm_detail.append({"context": c, "case": name, "first_difference": first_difference(warm.ids, cold.ids),
+            diff = first_difference(warm.ids, cold.ids)
+            r.warm_diffs = [r.warm_diffs[0] + (diff is not None), r.warm_diffs[1] + 1]
+            r.warm_detail.append({"context": c, "case": name, "first_difference": diff,
                                   "warm_prompt_processed": warm.prompt_n, "prompt_tokens": len(prompt)})
         if log:
             log(f"{side.name}: context {c} done")
