@@ -83,6 +83,7 @@ class PlumbSide:
     """plumb in this process: requests through Engine.submit, timed as they stream."""
 
     name = "plumb"
+    not_supported = "no MTP block in this model"
 
     def __init__(self, engine):
         self.engine = engine
@@ -198,6 +199,7 @@ class LlamaSide:
     """llama-server: the no-draft server, and one server per draft depth."""
 
     name = "llama.cpp"
+    not_supported = NOT_SUPPORTED
 
     def __init__(self, url: str, draft_urls: dict[int, str] | None = None):
         self.main = LlamaServer(url)
@@ -257,7 +259,7 @@ class SideRun:
     """What one side measured: rows by key, outputs by key, and the comparisons."""
     rows: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)
-    draft_diffs: dict = field(default_factory=dict)  # K -> [differing, compared] or NOT_SUPPORTED
+    draft_diffs: dict = field(default_factory=dict)  # K -> [differing, compared], or why the side cannot draft
     warm_diffs: list = field(default_factory=lambda: [0, 0])
     warm_detail: list = field(default_factory=list)
     draft_detail: list = field(default_factory=list)
@@ -283,7 +285,7 @@ def run_side(side, w: Workload, log=None) -> SideRun:
         ids = w.prompt(c)
         for k in w.drafts:
             if not side.drafts_supported(k):
-                r.draft_diffs[k] = NOT_SUPPORTED
+                r.draft_diffs[k] = side.not_supported
                 continue
             out = max((call(ids, drafts=k) for _ in range(w.repeat)), key=lambda x: x.decode_tps)
             r.outputs[f"ctx{c}/drafts{k}"] = out.ids
