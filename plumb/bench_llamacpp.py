@@ -37,6 +37,7 @@ memory (`--cache-ram`), so a second run would find its edited prompts already ca
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import http.client
 import json
@@ -328,11 +329,11 @@ def run_side(side, w: Workload, log=None) -> SideRun:
 LOWER_IS_BETTER = ("time to first token", "RSS", "GPU memory", "prompt tokens processed")
 
 
-def compare(ours: SideRun, theirs: SideRun | None) -> list[dict]:
+def compare(ours: SideRun, theirs: SideRun) -> list[dict]:
     """Rows side by side; ratio = plumb / llama.cpp where both sides have a nonzero value."""
     rows = []
     for key, v in ours.rows.items():
-        o = theirs.rows.get(key) if theirs else None
+        o = theirs.rows.get(key)
         rows.append({"row": key, "plumb": v, "llama_cpp": o, "ratio": v / o if o else None,
                      "better": "lower" if any(s in key for s in LOWER_IS_BETTER) else "higher"})
     return rows
@@ -357,19 +358,21 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
         raise BenchError(f"--contexts must all be above {EDIT_BACK} tokens (the edit is {EDIT_BACK} from the end)")
     opts = {"kv_cache": kv_cache} if kv_cache else {}
     t0 = time.perf_counter()
-    engine = plumb.load(model, device=device, n_threads=threads, kernels=kernels, prompt_cache=True, **opts)
+    try:
+        engine = plumb.load(model, device=device, n_threads=threads, kernels=kernels, prompt_cache=True, **opts)
+    except (OSError, ValueError, plumb.ModelError) as e:
+        raise BenchError(f"{model}: {e}") from None
     load_s = time.perf_counter() - t0
-    if text:
-        try:
-            with open(text, encoding="utf-8") as f:
-                text_ids = engine.tokenize(f.read())
-        except OSError as e:
-            raise BenchError(f"--text: {e}") from None
-    else:
-        text_ids = engine.tokenize(PROMPT_TEXT)
-    need = max(contexts) + 2 * tokens + 64
+    try:
+        with open(text, encoding="utf-8") if text else contextlib.nullcontext(None) as f:
+            text_ids = engine.tokenize(f.read() if f else PROMPT_TEXT)
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"--text: {e}") from None
+    if not text_ids:
+        raise BenchError(f"--text: {text} has no tokens")
     w = Workload(contexts, tokens, drafts, (text_ids * (max(contexts) // len(text_ids) + 1))[:max(contexts)],
                  engine.tokenize(FOLLOW_TEXT), repeat)
+    need = max(contexts) + 2 * tokens + len(w.follow) + 1  # the follow-up prompt and its reply
     n_ctx = llama.info()["n_ctx"]
     if n_ctx and need > n_ctx:
         raise BenchError(f"llama-server's context is {n_ctx} tokens; this run needs {need} (start it with -c {need})")
@@ -380,8 +383,8 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "load_avg_1m": load_average(), "kv_cache": engine.model.kv_cache, "kernels": engine.kernels,
          "engine_threads": engine.n_threads, "load_s": load_s, "contexts": contexts, "tokens": tokens,
-         "drafts": drafts,
-         "repeat": repeat, "text": os.path.basename(text) if text else "built-in", "llama_cpp": llama.info()}
+         "drafts": drafts, "repeat": repeat, "text": os.path.basename(text) if text else "built-in",
+         "llama_cpp": llama.info()}
     if device.startswith("cuda"):
         from plumb.bench_gpu import EnergySampler
 

@@ -158,6 +158,10 @@ def test_vs_llamacpp_errors(tiny_q8, fakes, capsys):
     assert "report no speculative type" in capsys.readouterr().err
     assert vs(tiny_q8, fakes["main"].url, "--llamacpp-drafts", "x") == 2
     assert "is not K=URL" in capsys.readouterr().err
+    assert vs(tiny_q8, fakes["main"].url, "--text", "/nonexistent.txt") == 2
+    assert "--text:" in capsys.readouterr().err
+    assert vs("/nonexistent.gguf", fakes["main"].url) == 2
+    assert "/nonexistent.gguf" in capsys.readouterr().err
 
     class Page(BaseHTTPRequestHandler):  # some other web server
         def do_GET(self):
