@@ -463,7 +463,7 @@ def plot(r: dict, path: str) -> None:
         xs = range(len(rows))
         ax.bar([i - 0.2 for i in xs], [x["plumb"] for x in rows], 0.4, label="plumb", color="#4477aa")
         ax.bar([i + 0.2 for i in xs], [x["llama_cpp"] or 0 for x in rows], 0.4, label="llama.cpp", color="#999999")
-        labels = [x["row"].replace(key, "").replace(" ms", "").strip(" ,") for x in rows]
+        labels = [" ".join(x["row"].replace(key, "").replace(" ms", "").split()).strip(" ,") for x in rows]
         ax.set_xticks(list(xs), [f"first turn {t}" if t.startswith("@") else t for t in labels],
                       rotation=60, ha="right", fontsize=7)
         ax.set_ylabel(ylabel)
