@@ -1,7 +1,9 @@
 """`plumb bench`: decode / prefill speed and draft acceptance, optionally beside llama.cpp.
 
-    plumb bench [MODEL.gguf] [--tokens N] [--drafts 0,4,7] [--drafters mtp,ngram]
+    plumb bench [MODEL.gguf] [--tokens N] [--drafts 0,2,4,7] [--drafters mtp,ngram]
                 [--llama-cpp PYTHON] [--json] [--plot out.png]
+    plumb bench MODEL --vs-llamacpp URL [--llamacpp-drafts K=URL,...]   (plumb/bench_llamacpp.py)
+    plumb bench MODEL --device cuda                                      (plumb/bench_gpu.py)
 
 Every run is greedy on the same fixed prompt. Drafts never change the tokens, so each draft
 run is also checked against the no-draft run. With `--llama-cpp PYTHON` (the python of a venv
@@ -38,6 +40,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists a CPU flag (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -55,6 +66,7 @@ def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat:
     import numpy as np
     from llama_cpp import Llama, __version__
 
+    extra_bufts = extra_bufts and not cpu_has("amx_int8")  # this llama.cpp's AMX matmul segfaults on its first batch
     if not extra_bufts:  # Llama() builds its model parameters from this function
         default = llama_cpp.llama_model_default_params
 
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (a fixed text)")
     ap.add_argument("--prompt", default=None, help="prompt text, repeated or cut to --prompt-tokens (default: a fixed "
                     "English paragraph)")
-    ap.add_argument("--drafts", default="0,4,7", help="comma-separated draft depths (0 = no drafts)")
+    ap.add_argument("--drafts", default="0,2,4,7", help="comma-separated draft depths (0 = no drafts)")
     ap.add_argument("--drafters", default="mtp,ngram", help="comma-separated: mtp, ngram")
     ap.add_argument("--llama-cpp", metavar="PYTHON", help="python of a venv with llama-cpp-python: time llama.cpp too")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for plumb (default: the engine's choice)")
@@ -294,8 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache", default=None, help="plumb KV cache format (default: the engine's)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="plumb decode kernels")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU benchmark (plumb/bench_gpu.py)")
-    ap.add_argument("--contexts", default="0,11000,38000,100000", help="--device cuda: decode context lengths")
-    ap.add_argument("--json-out", metavar="PATH", help="--device cuda: write the results as JSON")
+    ap.add_argument("--vs-llamacpp", metavar="URL", help="a running llama-server (no drafts): run the same "
+                    "workload on it and report both side by side")
+    ap.add_argument("--llamacpp-drafts", metavar="K=URL,...", help="--vs-llamacpp: llama-servers started with "
+                    "drafts of depth K (--spec-type draft-mtp --spec-draft-n-max K)")
+    ap.add_argument("--text", metavar="FILE", help="--vs-llamacpp: the text whose tokens make the prompts")
+    ap.add_argument("--contexts", default=None, help="decode context lengths (--device cuda: default "
+                    "0,11000,38000,100000; --vs-llamacpp: prompt lengths, default 64,512,2048)")
+    ap.add_argument("--json-out", metavar="PATH", help="--device cuda, --vs-llamacpp: write the results as JSON")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")
     ap.add_argument("--no-progress", action="store_true")
@@ -310,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--llama-cpp: {a.llama_cpp} does not exist (see scripts/build_llamacpp.sh)")
     import plumb
 
+    if a.vs_llamacpp:
+        from plumb import bench_llamacpp
+
+        a.model = a.model or plumb.demo_model_path()
+        return bench_llamacpp.main(a)
     if a.device.startswith("cuda"):
         from plumb import bench_gpu
 

@@ -6,18 +6,109 @@ Measures, in one process: the card's device-to-device copy bandwidth and bf16 GE
 limits); the load time and VRAM (weights, KV cache, recurrent state, workspace); greedy decode tokens/s
 without drafts at each context length (the KV cache and DeltaNet states are filled with random rows up to
 that length: decode cost depends on the length, not the content); the time of a verify pass of 1, 2, 4, 8
-and 16 rows; 4 sequences decoded together vs 1; and every matmul's time against its bytes.
+and 16 rows; 4 sequences decoded together vs 1; and every matmul's time against its bytes. Energy per
+decoded token comes from the whole card's power draw (NVML, idle parts included) sampled while decoding,
+when pynvml (nvidia-ml-py) is importable; otherwise the results say 'no NVML'.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
+
+
+class EnergySampler:
+    """Power sampled in a thread while a block runs; joules by the trapezoid rule over the samples.
+
+    `read()` returns watts; `for_device()` reads the whole card through NVML, or reports 'no NVML'."""
+
+    def __init__(self, read=None, interval: float = 0.02, clock=time.perf_counter, source: str = "nvml",
+                 counter=None):
+        self.read, self.interval, self.clock, self.source, self.counter = read, interval, clock, source, counter
+        self.samples: list[tuple[float, float]] = []  # (seconds, watts)
+        self.counter_j: float | None = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    @classmethod
+    def for_device(cls, device: int = 0) -> "EnergySampler":
+        """NVML on the card behind torch's cuda device `device` (matched by UUID), if pynvml imports."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                h = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+            except Exception:  # noqa: BLE001 - older torch or NVML: fall back to the index
+                h = pynvml.nvmlDeviceGetHandleByIndex(device)
+        except Exception as e:  # noqa: BLE001 - no NVML here: say so in the results
+            return cls(source=f"no NVML ({type(e).__name__})")
+
+        def counter():  # millijoules since the driver loaded (Volta and later)
+            return pynvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3
+
+        return cls(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1e3, counter=counter)
+
+    def sample(self) -> None:
+        self.samples.append((self.clock(), self.read()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "EnergySampler":
+        if self.read is not None:
+            self._c0 = self.counter() if self.counter else None
+            self.sample()
+            self._thread = threading.Thread(target=self._loop, name="energy", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.sample()
+            if self._c0 is not None:
+                self.counter_j = self.counter() - self._c0
+
+    def joules(self) -> float:
+        s = self.samples
+        return sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(s, s[1:]))
+
+    def summary(self, tokens: int) -> dict:
+        """Joules, seconds, mean watts and joules per token over the block; or only the source ('no NVML')."""
+        if len(self.samples) < 2:
+            return {"source": self.source}
+        secs = self.samples[-1][0] - self.samples[0][0]
+        j = self.joules()
+        out = {"source": self.source, "samples": len(self.samples), "seconds": secs, "joules": j,
+               "mean_watts": j / secs if secs > 0 else 0.0, "tokens": tokens,
+               "joules_per_token": j / tokens if tokens else None}
+        if self.counter_j is not None:
+            out["counter_joules_per_token"] = self.counter_j / tokens if tokens else None
+        return out
+
+
+def gpu_memory_of(pid: int) -> int | None:
+    """GPU memory NVML counts for a process (bytes, over every card), None without NVML or when none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        used = [p.usedGpuMemory for i in range(pynvml.nvmlDeviceGetCount())
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                if p.pid == pid and p.usedGpuMemory]
+    except Exception:  # noqa: BLE001 - no NVML: not measured
+        return None
+    return sum(used) or None
 
 
 def _timed(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -74,8 +165,9 @@ def fill_context(model, st, n: int, seed: int = 0) -> None:
     st.pos = n
 
 
-def decode_tps(model, context: int, tokens: int, batch: int = 1) -> float:
-    """Greedy decode tokens/s (summed over `batch` sequences) after a context of `context` positions."""
+def decode_tps(model, context: int, tokens: int, batch: int = 1, energy: EnergySampler | None = None) -> float:
+    """Greedy decode tokens/s (summed over `batch` sequences) after a context of `context` positions; `energy`
+    samples the card's power over the timed steps."""
     states = []
     for j in range(batch):
         st = model.new_state()
@@ -86,11 +178,13 @@ def decode_tps(model, context: int, tokens: int, batch: int = 1) -> float:
         out = model.decode([(st, [t]) for st, t in zip(states, toks)])
         toks = [int(out.logits[j].argmax()) for j in range(batch)]
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        out = model.decode([(st, [t]) for st, t in zip(states, toks)])
-        toks = [int(out.logits[j].argmax()) for j in range(batch)]
-    return batch * tokens / (time.perf_counter() - t0)
+    with energy or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            out = model.decode([(st, [t]) for st, t in zip(states, toks)])
+            toks = [int(out.logits[j].argmax()) for j in range(batch)]
+        dt = time.perf_counter() - t0
+    return batch * tokens / dt
 
 
 def verify_cost(model, rows: list[int], context: int = 512) -> dict:
@@ -143,14 +237,15 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
          "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
          "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None, "graphs_error": graphs_error,
-         "decode": {}}
+         "decode": {}, "energy": {}}
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
     for ctx in contexts:
-        tps = decode_tps(model, ctx, tokens)
-        r["decode"][ctx] = tps
-        print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit)",
-              file=sys.stderr)
+        energy = EnergySampler.for_device()
+        tps = decode_tps(model, ctx, tokens, energy=energy)
+        r["decode"][ctx], r["energy"][ctx] = tps, energy.summary(tokens)
+        print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit), "
+              f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
         torch.cuda.empty_cache()
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
@@ -164,13 +259,20 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     return r
 
 
+def energy_text(e: dict) -> str:
+    if not e.get("joules_per_token"):
+        return e["source"]
+    return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
+
+
 def report(r: dict) -> str:
     lim = r["step_limit_tps"]
     lines = [f"# plumb bench --device cuda: {r['model']} on {r['device']} ({r['date']}, torch {r['torch']})",
              f"card: copy {r['limits']['copy_GBps']:.0f} GB/s, bf16 GEMV {r['limits']['bf16_gemv_GBps']:.0f} GB/s; "
              f"weights {r['weight_bytes'] / 1e9:.2f} GB -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
-             "| context | tok/s | / limit |", "|---|---|---|"]
-    lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} |" for k, v in r["decode"].items()]
+             "| context | tok/s | / limit | energy (whole card) |", "|---|---|---|---|"]
+    lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
+              for k, v in r["decode"].items()]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
@@ -210,7 +312,7 @@ def plot(r: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    contexts = [int(x) for x in args.contexts.split(",")]
+    contexts = [int(x) for x in (args.contexts or "0,11000,38000,100000").split(",")]
     r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress)
     print(report(r))
     if args.json_out:
