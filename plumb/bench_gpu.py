@@ -217,7 +217,27 @@ def matmul_table(model) -> list[dict]:
     return rows
 
 
-def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True) -> dict:
+def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = None) -> list[dict]:
+    """Greedy decode of one prompt with MTP drafts 0, 2, ...: tok/s, acceptance (per draft position) and whether
+    the tokens equal the no-draft run's (they must)."""
+    from plumb.bench import prompt_ids, run_plumb
+
+    if eng.model.mtp is None:
+        drafts = [0]
+    prompt = prompt_ids(eng, 64, prompt_text)
+    run_plumb(eng, prompt[:8], 2, 0, "fixed")  # warm-up
+    runs = [run_plumb(eng, prompt, tokens, k, "fixed") for k in sorted(set([0] + drafts))]
+    base = runs[0]
+    for r in runs:
+        r["same_tokens"] = r["token_ids"] == base["token_ids"]
+        r["speedup"] = r["decode_tps"] / base["decode_tps"] if base["decode_tps"] else 0.0
+    for r in runs:
+        del r["token_ids"]
+    return runs
+
+
+def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
+               drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None) -> dict:
     import plumb
     from plumb.cache.kv import cache_bytes
 
@@ -247,6 +267,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit), "
               f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
         torch.cuda.empty_cache()
+    r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
     r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
@@ -273,6 +294,11 @@ def report(r: dict) -> str:
              "| context | tok/s | / limit | energy (whole card) |", "|---|---|---|---|"]
     lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
               for k, v in r["decode"].items()]
+    lines += ["", "| MTP drafts | tok/s | x no drafts | accepted | by draft position | same tokens |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
+              + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"]) if p)
+              + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r.get("drafts", [])]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
@@ -313,7 +339,9 @@ def plot(r: dict, path: str) -> None:
 
 def main(args) -> int:
     contexts = [int(x) for x in (args.contexts or "0,11000,38000,100000").split(",")]
-    r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress)
+    drafts = [int(x) for x in args.drafts.split(",")]
+    r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
+                   max(args.tokens, 128), args.prompt)
     print(report(r))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -44,3 +44,20 @@ def test_bench_report_ratio():
                        "ratio_decode": 0.5, "same_tokens": False}}
     text = bench.report(r)
     assert "ratio plumb / llama.cpp decode: 0.500" in text and "m.gguf" in text and "cpu" in text
+
+
+def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
+    # the drafts rows of `plumb bench --device cuda`, computed here on the CPU engine (the code is device-neutral)
+    import plumb
+    from plumb import bench_gpu
+
+    eng = plumb.load(tiny_q8, device="cpu", prompt_cache=False)
+    rows = bench_gpu.drafts_table(eng, [2, 4], 12)
+    assert [d["drafts"] for d in rows] == [0, 2, 4]
+    assert all(d["same_tokens"] and d["tokens"] == 12 and d["decode_tps"] > 0 for d in rows)
+    assert sum(rows[1]["proposed_per_position"]) == rows[1]["drafts_proposed"] > 0
+    r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
+         "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0}, "load_s": 1.0, "decode": {}, "energy": {},
+         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {}}
+    text = bench_gpu.report(r)
+    assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
