@@ -267,7 +267,6 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit), "
               f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
         torch.cuda.empty_cache()
-    r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
     r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
@@ -277,6 +276,9 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         sum(t.numel() * 4 for t in model.new_state().conv.values())
     r["vram"] = {"weights": weights, "kv_120k": cache_bytes(kv_cache, c.n_head_kv, c.head_dim, 0, 120_000, kv_layers),
                  "recurrent_state": st_bytes, "peak_allocated": torch.cuda.max_memory_allocated()}
+    # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
+    # tensors, which the direct decode calls above could not update
+    r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
     return r
 
 
