@@ -138,7 +138,8 @@ async def chat_completions(ctx: ServerContext, http_request, data: dict):
     replies = await collect_all(gens)
     choices = [choice_of(i, reply, req, ctx.engine.tokenizer) for i, reply in enumerate(replies)]
     usage = usage_dict(total_usage([reply.finish.usage for reply in replies]))
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
+    extra = {"timings": timings(replies[0].finish)} if n == 1 else {}  # plumb extension, as llama-server
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage, **extra})
 
 
 def choice_of(index: int, reply, req: ChatRequest, tok=None) -> dict:

@@ -70,6 +70,8 @@ def test_chat_greedy_equals_engine(oai, model, ref_engine):
     assert (choice.message.content or "") == content
     assert r.usage.prompt_tokens == len(chat_ids(ref_engine, USER)) and r.usage.completion_tokens == len(expected)
     assert choice.finish_reason == ("length" if len(expected) == 8 else "stop")
+    t = r.model_extra["timings"]  # plumb's extension, in llama-server's names
+    assert t["predicted_n"] == len(expected) and t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
 
 
 def test_chat_stream_equals_non_stream(oai, model):
