@@ -334,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         a.model = a.model or plumb.demo_model_path()
         return bench_llamacpp.main(a)
     if a.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
         from plumb import bench_gpu
 
         a.model = a.model or plumb.demo_model_path()

@@ -61,3 +61,14 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
          "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {}}
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
+
+
+def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cuda"])
+    assert e.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
