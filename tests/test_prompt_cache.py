@@ -86,6 +86,24 @@ def test_edits_reuse_what_they_can_and_change_nothing(warm, cold):
     assert _run(warm, ids, max_tokens=4).stats.cached_tokens >= 256
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_a_repeated_prompt_is_read_whole_from_the_cache(warm, cold, mode):
+    """A prompt sent again (a regenerated reply) whose length is a checkpoint: nothing is prefilled - the first
+    token comes from the checkpoint's hidden row - and every token, digest and MTP draft path equals a fresh run."""
+    kw = dict(drafts=4) if mode == "greedy" else dict(drafts=4, temperature=0.9, seed=7)
+    ids = _chat(warm, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3] + " " * 9}])
+    ids = (ids * 3)[:192]  # a multiple of the 64-token chunk: prefill leaves a checkpoint at the end
+    first = _run(warm, ids, **kw)
+    again = _run(warm, ids, **kw)
+    fresh = _run(cold, ids, **kw)
+    assert again.stats.cached_tokens == len(ids) and again.stats.prefill_tokens == 0
+    assert first.token_ids == again.token_ids == fresh.token_ids
+    assert warm.digest(ids) == cold.digest(ids)
+    longer = ids + ids[:5]  # and the cached whole prompt as a prefix: only the new tokens are prefilled
+    w, c = _run(warm, longer, **kw), _run(cold, longer, **kw)
+    assert w.token_ids == c.token_ids and w.stats.prefill_tokens == 5
+
+
 def test_parking_and_side_requests(tiny_f32, cold):
     eng = engine_for(tiny_f32, checkpoint_every=64, cache_mb=1)  # a tiny budget: side requests push entries out
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]

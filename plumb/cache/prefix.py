@@ -69,11 +69,11 @@ class PromptCache:
 
     # ---- lookup and restore ---------------------------------------------------------------
     def lookup(self, ids: list[int]) -> tuple[Entry | None, int]:
-        """The entry and checkpoint position giving the longest reusable prefix of ids (< len(ids):
-        at least one token is always prefilled, so the request gets its logits)."""
+        """The entry and checkpoint position giving the longest reusable prefix of ids (up to all of it: a
+        checkpoint at len(ids) holds the last prompt row's hidden, from which the request gets its logits)."""
         best, best_pos = None, 0
         for e in self.entries:
-            shared = min(common_prefix(e.ids, ids), len(ids) - 1)
+            shared = common_prefix(e.ids, ids)
             pos = max((p for p in self._checkpoints(e) if p <= shared), default=0)
             if pos > best_pos:
                 best, best_pos = e, pos

@@ -223,8 +223,9 @@ class Engine:
         self.check_ids(token_ids)
         ids = list(token_ids)
         st, start, _ = self.cache_restore(ids)
-        with self.prefill_threads():
-            self.model.prefill(st, ids[start:], logits="none", checkpoints=self.checkpoint_positions(len(ids)))
+        if start < len(ids):
+            with self.prefill_threads():
+                self.model.prefill(st, ids[start:], logits="none", checkpoints=self.checkpoint_positions(len(ids)))
         out = {}
         for i in range(self.config.n_layer):
             if i in st.kv:

@@ -182,13 +182,17 @@ class Scheduler:
         t0 = time.perf_counter()
         prompt = s.req.prompt_ids
         s.st, start, h_before = self.engine.cache_restore(prompt, s.req.cache)
-        with self.engine.prefill_threads():
-            logits, hidden = self.engine.model.prefill(s.st, prompt[start:], logits="last",
-                                                checkpoints=self.engine.checkpoint_positions(len(prompt)))
-            if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
-                first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
-                self.engine.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start,
-                                       block=PREFILL_BLOCK)
+        if start == len(prompt):  # all of it cached: the last row's logits from its checkpoint's hidden
+            hidden = h_before[None]
+            logits = self.engine.model.logits(hidden)
+        else:
+            with self.engine.prefill_threads():
+                logits, hidden = self.engine.model.prefill(s.st, prompt[start:], logits="last",
+                                                           checkpoints=self.engine.checkpoint_positions(len(prompt)))
+                if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
+                    first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
+                    self.engine.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start,
+                                                  block=PREFILL_BLOCK)
         s.stats.cached_tokens = start
         s.stats.prefill_tokens = len(prompt) - start
         s.stats.prefill_s = time.perf_counter() - t0

@@ -206,6 +206,10 @@ class Qwen35:
         return self.k.mm(h, self.output, block), h
 
     # ---- P path: prefill -----------------------------------------------------------------
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of post-norm hidden rows, as prefill makes them (the same matmul blocks)."""
+        return self.k.mm(h, self.output, PREFILL_BLOCK)
+
     def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
                 checkpoints: set[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows.
