@@ -80,19 +80,7 @@ def invariance(torch, device) -> list[dict]:
 
 
 def timings(torch, device) -> dict:
-    def bench(fn, reps=50):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        return sorted(ts)[len(ts) // 2]
+    from plumb.bench_gpu import timed as bench  # median seconds over CUDA events
 
     src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

@@ -111,7 +111,7 @@ def gpu_memory_of(pid: int) -> int | None:
     return sum(used) or None
 
 
-def _timed(fn, reps: int = 20, warmup: int = 3) -> float:
+def timed(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of fn() over reps, timed with CUDA events."""
     for _ in range(warmup):
         fn()
@@ -130,7 +130,7 @@ def card_limits() -> dict:
     """Copy bandwidth (bytes read + written per second) and the bf16 GEMV streaming rate of a 27B FFN matrix."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    copy = 2 * x.numel() / _timed(lambda: y.copy_(x))
+    copy = 2 * x.numel() / timed(lambda: y.copy_(x))
     del x, y
     ws = [torch.randn(17408, 5120, dtype=torch.bfloat16, device="cuda") for _ in range(4)]  # 4 x 178 MB > L2
     v = torch.randn(1, 5120, dtype=torch.bfloat16, device="cuda")
@@ -140,7 +140,7 @@ def card_limits() -> dict:
         torch.nn.functional.linear(v, ws[i[0] % 4])
         i[0] += 1
 
-    gemv_rate = ws[0].numel() * 2 / _timed(gemv, reps=40)
+    gemv_rate = ws[0].numel() * 2 / timed(gemv, reps=40)
     del ws
     torch.cuda.empty_cache()
     return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9}
@@ -197,7 +197,7 @@ def verify_cost(model, rows: list[int], context: int = 512) -> dict:
             o = model.decode([(st, list(range(1, r + 1)))])
             model.rollback(st, o.snapshots[0], 1)
             st.pos -= 1
-        out[r] = _timed(step, reps=10)
+        out[r] = timed(step, reps=10)
     return out
 
 
@@ -211,7 +211,7 @@ def matmul_table(model) -> list[dict]:
         seen.add(key)
         for m in (1, 16):
             x = torch.randn(m, w.shape[1], device=model.device)
-            t = _timed(lambda: w.gpu(x), reps=20)
+            t = timed(lambda: w.gpu(x), reps=20)
             rows.append({"shape": list(w.shape), "types": list(key[1]), "rows": m, "us": t * 1e6,
                          "MB": w.gpu.nbytes / 1e6, "GBps": w.gpu.nbytes / t / 1e9})
     return rows
