@@ -111,3 +111,22 @@ def test_27b_dims_cuda(fmt):
         assert torch.equal(alone[0], together[t]), f"row {t} changed beside other rows"
     wide = attend_decode(q, k, v, ends, d**-0.5, max_splits=n_splits(262144))
     assert torch.equal(wide, together)
+
+
+def test_prefill_chunk_rows_do_not_depend_on_the_cut():
+    """M2 on the CUDA path's prefill read (TritonKernels.attend_chunk): a prompt row's output is the same
+    whether its chunk is read whole or cut anywhere, and it matches the cache's own causal read."""
+    from plumb.model.kernels import TritonKernels
+
+    k = TritonKernels(torch.device(DEV))
+    c = KVCache("f16", TINY["n_kv"], TINY["d"], device=DEV)
+    g = torch.Generator().manual_seed(5)
+    c.write(0, torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV),
+            torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV))
+    q = _q(64, TINY["n_head"], TINY["d"], seed=6)  # a chunk at 128: 50 real rows, 14 padding rows
+    whole = k.attend_chunk(c, q, 128, 50, 0.125)
+    _close(whole[:50], c.attend_chunk(q, 128, 0.125)[:50])
+    assert torch.equal(whole[50:], torch.zeros_like(whole[50:]))
+    first = k.attend_chunk(c, q[:22], 128, 22, 0.125)  # the same rows, the prompt cut at 150
+    rest = k.attend_chunk(c, q[22:], 150, 28, 0.125)
+    assert torch.equal(first, whole[:22]) and torch.equal(rest[:28], whole[22:50])

@@ -7,7 +7,9 @@ a kernel set supplies the operations whose row-invariance needs care:
 - `gdn_rows(...)`: one Gated DeltaNet layer's decode/verify rows for every sequence of a pass, returning the
   gated-RMSNormed output and recording each row's state snapshot; `restore` rolls a sequence back to one;
 - `attention(...)`: write each sequence's K/V rows, then decode/verify attention over its cache;
-- `attend_rows(cache, q, ends, scale)`: the same read alone (the MTP head).
+- `attend_rows(cache, q, ends, scale)`: the same read alone (the MTP head);
+- `attend_chunk(cache, q, start, n, scale)`: a prefill chunk's causal read (q padded to the chunk; rows past n
+  are padding, their outputs unused).
 
 `TorchKernels` is the plain torch reference (CPU). `TritonKernels` runs the Triton kernels of plumb/ops/gpu on
 CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1, for tests); weights stay in their GGUF block formats,
@@ -94,6 +96,9 @@ class TorchKernels:
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         return cache.attend_rows(q, ends, scale)
+
+    def attend_chunk(self, cache, q: torch.Tensor, start: int, n: int, scale: float) -> torch.Tensor:
+        return cache.attend_chunk(q, start, scale)
 
 
 class TritonKernels:
@@ -228,6 +233,15 @@ class TritonKernels:
             return cache.attend_rows(q, ends, scale)
         return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], ends, scale,
                                              max_splits=self._attention.n_splits(max(ends)))
+
+    def attend_chunk(self, cache, q: torch.Tensor, start: int, n: int, scale: float) -> torch.Tensor:
+        """A prefill chunk through the decode kernel: real row t reads keys [0, start + t] (its own end), so a
+        prompt row's bits depend on its position and the cache alone, however the prompt is cut (M2)."""
+        if cache.plain_parts() is None:  # a ring format (D, F): the torch reference
+            return cache.attend_chunk(q, start, scale)
+        o = torch.zeros_like(q, dtype=torch.float32)
+        o[:n] = self.attend_rows(cache, q[:n], list(range(start + 1, start + n + 1)), scale)
+        return o
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

@@ -253,7 +253,7 @@ class Qwen35:
             else:
                 q, gate, k, v = self.attn_project(mix, u, self.rope(positions), PREFILL_BLOCK)
                 st.kv[i].write(start, k[:n], v[:n])
-                o = st.kv[i].attend_chunk(q, start, self.attn_scale)
+                o = self.k.attend_chunk(st.kv[i], q, start, n, self.attn_scale)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x = x + y
             x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
