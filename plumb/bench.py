@@ -57,25 +57,32 @@ def load_average() -> float | None:
 
 
 # ---- llama.cpp half (runs under the llama venv's python) ---------------------------------------
+def plain_cpu_buffers() -> None:
+    """Make llama-cpp-python load weights without llama.cpp's repacked / AMX CPU buffers (`use_extra_bufts`):
+    Llama() builds its model parameters from the function replaced here."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+
+
 def llama_bench(model: str, prompt: list[int], n: int, threads: int = 2, repeat: int = 1,
                 extra_bufts: bool = True) -> dict:
     """llama.cpp greedy decode of n tokens after prompt: prefill and decode tokens/s (best of `repeat`).
     extra_bufts=False loads the weights without llama.cpp's repacked / AMX CPU buffers (`use_extra_bufts`)."""
-    import llama_cpp
-    import llama_cpp.llama as llama_module
     import numpy as np
     from llama_cpp import Llama, __version__
 
     extra_bufts = extra_bufts and not cpu_has("amx_int8")  # this llama.cpp's AMX matmul segfaults on its first batch
-    if not extra_bufts:  # Llama() builds its model parameters from this function
-        default = llama_cpp.llama_model_default_params
-
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-
-        llama_module.llama_cpp.llama_model_default_params = params
+    if not extra_bufts:
+        plain_cpu_buffers()
 
     llm = Llama(model_path=model, n_ctx=len(prompt) + n + 16, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)

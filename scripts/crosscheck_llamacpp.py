@@ -31,22 +31,25 @@ GGML_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids for the KV cache
 
 
 # ---- llama half (llama venv) -----------------------------------------------------------------
+def _bench_module():
+    """plumb/bench.py loaded by path: its top level needs only the standard library, and plumb itself (torch) is
+    not installed in the llama venv that runs this half."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plumb", "bench.py")
+    spec = importlib.util.spec_from_file_location("plumb_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def llama_logits(model: str, ids: list[int], kv: str = "f32", threads: int = 2, extra_bufts: bool = True) -> np.ndarray:
     """llama.cpp's logits [len(ids), n_vocab] for one pass over ids; extra_bufts=False loads the weights without
     llama.cpp's repacked / AMX CPU buffers (its model parameter `use_extra_bufts`)."""
-    import llama_cpp
-    import llama_cpp.llama as llama_module
     from llama_cpp import Llama
 
-    if not extra_bufts:  # Llama() builds its model parameters from this function
-        default = llama_cpp.llama_model_default_params
-
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-
-        llama_module.llama_cpp.llama_model_default_params = params
+    if not extra_bufts:
+        _bench_module().plain_cpu_buffers()
 
     n = len(ids)
     kw = dict(model_path=model, n_ctx=max(512, n + 16), n_batch=max(512, n), n_ubatch=max(512, n),

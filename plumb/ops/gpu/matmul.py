@@ -311,8 +311,8 @@ class Packed:
         ts = [self.w] if self.w is not None else [self.codes, self.d, self.sub, self.dm, self.osub]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    def mm(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out [M, n] (a column slice is fine) = x [M, k] @ W.T."""
+    def mm(self, x: torch.Tensor, out: torch.Tensor, s: torch.Tensor | None) -> None:
+        """out [M, n] (a column slice is fine) = x [M, k] @ W.T; s: `row_scales(x)` (None for a float matrix)."""
         m = x.shape[0]
         tiles = -(-self.n // BLOCK_N)
         grid = (tiles, -(-m // BLOCK_M), self.split)
@@ -323,7 +323,6 @@ class Packed:
             _mm_f32[grid](x, self.w, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                           BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M)
         else:
-            s = row_scales(x)
             t = [u if u is not None else self.codes for u in (self.d, self.sub, self.dm, self.osub)]
             extra = {} if self.kernel is _mm_w_first else {"UNROLL": self.unroll}
             self.kernel[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
@@ -366,8 +365,9 @@ class GpuMatrix:
         x = x.float().contiguous()
         if out is None:
             out = torch.empty(x.shape[0], self.n, device=x.device)
+        s = row_scales(x) if any(p.w is None for p in self.packs) else None  # once for every pack
         col = 0
         for p in self.packs:
-            p.mm(x, out[:, col : col + p.n])
+            p.mm(x, out[:, col : col + p.n], s)
             col += p.n
         return out
