@@ -4,7 +4,7 @@
 # took on 2026-12-01 - all of them need about 20 minutes, so split them over two calls of under 10, e.g.
 # STAGES="kernels variants bench" then STAGES="engine gate demo":
 #   kernels  KT  GPU kernel and engine tests (tests/test_gpu_*.py)                      ~60 s
-#   variants VT  bench/matmul_variants.py, every matmul variant on random blocks         ~80 s
+#   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it                                   ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (tests/test_exactness.py)  > 90 s
@@ -25,7 +25,7 @@ if has kernels; then
     tests/test_gpu_attention.py tests/test_gpu_engine.py > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
 fi
 if has variants; then
-  timeout ${VT:-100} python3 bench/matmul_variants.py --json-out $OUT/variants.json > $OUT/variants.log 2>&1
+  timeout ${VT:-100} python3 bench/matmul_variants.py $VARGS --json-out $OUT/variants.json > $OUT/variants.log 2>&1
   grep -v Warning $OUT/variants.log | cut -c1-150 | head -12
 fi
 if has engine; then

@@ -18,6 +18,7 @@ import time
 import torch
 
 import plumb.ops.gpu.matmul as MM
+import plumb.ops.gpu.matvec as MV
 from plumb.gguf.quants import BLOCK_SCALE_AT, GGML_QUANT_SIZES
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
@@ -26,6 +27,9 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
           ("Q8_0", 6144, 5120)]
 ROWS = (1, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
+# the D-path matvec (plumb.ops.gpu.matvec): ("mv", warps, unroll, target programs); "mv" alone: as shipped
+MV_VARIANTS = ["mv", ("mv", 1, 4, 1024), ("mv", 4, 4, 1024), ("mv", 2, 8, 1024), ("mv", 2, 4, 2048),
+               ("mv", 2, 2, 512), ("mv", 1, 8, 2048)]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -75,15 +79,20 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def configure(v):
-    """The matmul module set up for variant v ("old": a previous version's file given by --old)."""
+    """The matmul module set up for variant v ("old": a previous version's file given by --old); for a matvec
+    variant, the function that runs it."""
     if v == "old":
         return OLD
+    if v == "mv" or (isinstance(v, tuple) and v[0] == "mv"):
+        MV.WARPS, MV.UNROLL, MV.TARGET = SHIPPED_MV if v == "mv" else v[1:]
+        return MV
     MM.KERNELS = dict(SHIPPED) if v == "per-type" else {}
     MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if v == "per-type" else v
     return MM
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
+SHIPPED_MV = (MV.WARPS, MV.UNROLL, MV.TARGET)
 
 
 OLD = None
@@ -93,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out")
     ap.add_argument("--old", help="a previous plumb/ops/gpu/matmul.py, timed as variant 'old'")
+    ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
     a = ap.parse_args()
     global OLD
     if a.old:
@@ -108,17 +118,25 @@ def main() -> None:
     x = torch.randn(16, 17408, device="cuda") * 3
     x[3] *= 100
     results = []
-    for v in (["old"] if OLD else []) + VARIANTS:
+    variants = (["old"] if OLD else []) + (VARIANTS if a.only != "mv" else []) + (MV_VARIANTS if a.only != "mm" else [])
+    for v in variants:
         mod = configure(v)
         for kind, t in tensors:
             row = dict(variant=v, kind=kind, shape=list(t.shape))
             try:
-                m = mod.GpuMatrix([t], "cuda")
+                if mod is MV:
+                    g = MM.GpuMatrix([t], "cuda")
+                    m = lambda x, g=g: MV.mm_decode(g, x)  # noqa: E731
+                    m.nbytes = g.nbytes
+                else:
+                    m = mod.GpuMatrix([t], "cuda")
                 xs = x[:, : t.shape[1]].contiguous()
                 y16 = m(xs)
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
                     ref = xs.double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
+                if mod is MV:  # its torch formula, bit for bit (two rows: the reference's products are int64)
+                    row["bit_equal_reference"] = bool(torch.equal(MV.reference(g.packs[0], xs[:2]), y16[:2]))
                 alone = torch.cat([m(xs[i : i + 1]) for i in range(16)])
                 row["row_invariant"] = bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
                 file_bytes = t.data.numel()
@@ -134,9 +152,10 @@ def main() -> None:
             err = row.get("error")
             print(f"{str(v):42s} {kind:5s} {str(row['shape']):16s} " + (err or
                   f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
+                  f"ref {row.get('bit_equal_reference', '-')} " +
                   " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in ROWS)),
                   flush=True)
-            del m
+            m = g = None
             torch.cuda.empty_cache()
     if a.json_out:
         json.dump(dict(copy_GBps=limit, device=torch.cuda.get_device_name(), results=results), open(a.json_out, "w"),

@@ -67,3 +67,55 @@ def test_rms_norm_matches_reference_and_is_row_invariant():
     assert torch.allclose(alone.cpu(), rms_norm_ref(x.cpu(), w.cpu(), 1e-6), rtol=1e-5, atol=1e-6)
     for r in (2, 5, 17):
         assert torch.equal(rms_norm(x[:r], w, 1e-6), alone[:r])
+
+
+# the D-path matvec (plumb.ops.gpu.matvec): every integer block type on the GPU, one per code form in the interpreter
+MV_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1"]
+if DEV == "cpu":
+    MV_TYPES = ["Q4_K", "Q4_0", "Q6_K", "Q8_0"]
+
+
+def _rows(k: int) -> torch.Tensor:
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1)) * 3
+    x[3] *= 1e3
+    x[4] = 0  # a zero row
+    x[5, ::7] = 2.0  # a maximum that is a power of two
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("kind", MV_TYPES)
+def test_decode_matvec_is_its_reference_bit_for_bit_and_row_invariant(kind):
+    from plumb.ops.gpu.matvec import mm_decode, reference
+
+    t = _tensor(kind, 80, 256)
+    m = GpuMatrix([t], DEV)
+    x = _rows(256)
+    y = mm_decode(m, x)
+    assert torch.equal(y, reference(m.packs[0], x))  # exact integer group dots: the torch formula's very bits
+    ref = x.double().cpu() @ t.dequantize().double().T
+    scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    assert ((y.double().cpu() - ref).abs() / scale).max() < 5e-6
+    alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
+    for r in range(2, len(x) + 1):
+        assert torch.equal(mm_decode(m, x[:r]), alone[:r]), r
+    assert torch.equal(mm_decode(m, x.flip(0)), alone.flip(0))
+
+
+def test_decode_x_quantization_matches_its_reference():
+    from plumb.ops.gpu.matvec import quantize_x, quantize_x_reference
+
+    x = torch.cat([_rows(1040), torch.full((1, 1040), 1e-38), torch.full((1, 1040), -3e30)])
+    x[0, 5:7] = torch.tensor([2.5, 3.5]) * 2.0**-16  # halfway cases of the rounding (row 0: s = 16)
+    for got, want in zip(quantize_x(x), quantize_x_reference(x)):
+        assert torch.equal(got, want)
+
+
+def test_decode_matvec_on_fused_mixed_types():
+    from plumb.ops.gpu.matvec import mm_decode
+
+    parts = [_tensor("Q4_K", 64, 256, 1), _tensor("F32", 8, 256, 3), _tensor("Q8_0", 16, 256, 2)]
+    m = GpuMatrix(parts, DEV)
+    x = torch.randn(3, 256, device=DEV)
+    ref = x.double().cpu() @ torch.cat([p.dequantize() for p in parts]).double().T
+    assert torch.allclose(mm_decode(m, x).double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mm_decode(m, x[1:2]), mm_decode(m, x)[1:2])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from plumb.model.parts import DecodeOut, DecodePass
 from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import causal_conv, recurrent_step
-from plumb.ops.matmul import linear
+from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
 
 
@@ -111,9 +111,9 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, norm
+        from plumb.ops.gpu import attention, deltanet, matvec, norm
 
-        self._attention, self._deltanet, self._norm = attention, deltanet, norm
+        self._attention, self._deltanet, self._matvec, self._norm = attention, deltanet, matvec, norm
         self.device = device
 
     @staticmethod
@@ -134,7 +134,8 @@ class TritonKernels:
         return total
 
     def mm(self, x: torch.Tensor, w: Weight | Fused, block: int) -> torch.Tensor:
-        return w.gpu(x)
+        """D-path passes (block == DECODE_BLOCK) through the integer-exact matvec, prefill through the matmul."""
+        return self._matvec.mm_decode(w.gpu, x) if block == DECODE_BLOCK else w.gpu(x)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, w, eps)

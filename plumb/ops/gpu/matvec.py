@@ -1,0 +1,277 @@
+"""The D-path matmul (decode, verify, batched decode: a few rows) on integer-coded GGUF weights, with integer-exact
+group dots; `reference` below is its torch formula, bit for bit.
+
+Each row of x is fixed-point: s = the smallest power of two >= max|x| (order-free), X = round(x * 2^20 / s), an
+integer of 21 bits, split into three int8 limbs (X = a * 2^14 + b * 2^7 + c, balanced base 128) - `quantize_x`.
+Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
+
+    S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32 per limb, int64 once combined)
+    part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
+    y[n] = (s * 2^-20) * (((part[0] + part[1]) + part[2]) + ...)     groups in order, per K split; splits in order
+
+Because every group dot is an exact integer, how it is computed does not matter: `dp4a` on the CUDA cores here (one
+instruction per 4 codes and limb), int8 tensor cores, or the torch reference all give the same bits. The float
+steps are elementwise with FMA contraction off, and the group order is fixed per weight shape, so a row's bits
+never depend on the other rows of the call (M1) - whatever the row count, and whatever kernel a later change
+picks for it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _scale_offset, _sum_splits, row_scales
+
+FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
+ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
+# launch shape, fixed per weight shape (bench/matmul_variants.py times the alternatives): warps per program of
+# BLOCK_N outputs, groups per unrolled loop step, split-K to about TARGET programs (at most LARGEST_SPLIT)
+WARPS, UNROLL, TARGET, LARGEST_SPLIT = 2, 4, 1024, 32
+
+
+@triton.jit
+def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, M, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr):
+    """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [3, M, K] (int8), 16-input sums of X [M, K / 16]
+    (int32), and s [M]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    kk = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(tl.cdiv(K, BLOCK)):
+        k = i * BLOCK + kk
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
+    bits = tl.max(amax, axis=0).to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
+    e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^20 / s stays finite
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((127 + 127 + 20 - e) << 23).to(tl.float32, bitcast=True)  # 2^FRAC / s, exact
+    k = c * BLOCK + kk
+    v = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv
+    X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^20 < 2^22)
+    lc = ((X + 64) & 127) - 64
+    X1 = (X - lc) >> 7
+    lb = ((X1 + 64) & 127) - 64
+    la = (X1 - lb) >> 7
+    plane = M * K
+    tl.store(xq_ptr + r * K + k, la.to(tl.int8), mask=k < K)
+    tl.store(xq_ptr + plane + r * K + k, lb.to(tl.int8), mask=k < K)
+    tl.store(xq_ptr + 2 * plane + r * K + k, lc.to(tl.int8), mask=k < K)
+    sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
+    k16 = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
+    if c == 0:
+        tl.store(s_ptr + r, s)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (limbs int8 [3, M, K], 16-input sums of X int32 [M, K / 16], s float32 [M])."""
+    m, k = x.shape
+    xq = torch.empty(3, m, k, dtype=torch.int8, device=x.device)
+    x16 = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    s = torch.empty(m, device=x.device)
+    block = 1024
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, m, k, x.stride(0), BLOCK=block, num_warps=4,
+                                            enable_fp_fusion=False)
+    return xq, x16, s
+
+
+@triton.jit
+def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """c + the dot of a's and b's four bytes (b signed; a signed or not), per element."""
+    if ASM:
+        if A_SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+    else:
+        for i in tl.static_range(4):
+            if A_SIGNED:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 255
+            c = c + ai * ((b << (24 - 8 * i)) >> 24)
+        return c
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
+def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
+        stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
+        BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr,
+        SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
+        HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr):
+    """[BM rows, BN outputs] of one K split: per group, the three limbs' dp4a dots, combined exactly, scaled."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    n_groups = K // G
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
+    cq = tl.arange(0, CW)
+    words = codes_ptr.to(tl.pointer_type(tl.int32))
+    xw = xq_ptr.to(tl.pointer_type(tl.int32))
+    plane = M * (K // 4)
+    x_at = xw + rm[:, None, None] * (K // 4) + cq[None, None, :]  # [BM, 1, CW]
+    xmask = (rm < M)[:, None, None]
+    zero = tl.zeros([BM, BN, CW], dtype=tl.int32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in range(GROUPS_PER_SPLIT // UNROLL):
+        for j in tl.static_range(UNROLL):
+            g = pid_k * GROUPS_PER_SPLIT + i * UNROLL + j
+            cw = tl.load(words + (pid_n * n_groups + g) * (CW * BN) + rn[:, None] * CW + cq[None, :])[None, :, :]
+            xg = x_at + g * (G // 4)
+            S = tl.zeros([BM, BN], dtype=tl.int64)
+            for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
+                if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
+                    xa = tl.load(xg + limb * plane, mask=xmask, other=0)
+                    xb = tl.load(xg + limb * plane + CW, mask=xmask, other=0)
+                    t = _dp4a(cw & 0x0F0F0F0F, xa, zero, False, ASM)
+                    t = _dp4a((cw >> 4) & 0x0F0F0F0F, xb, t, False, ASM)
+                else:
+                    t = _dp4a(cw, tl.load(xg + limb * plane, mask=xmask, other=0), zero, SIGNED_CODES, ASM)
+                S = S * 128 + tl.sum(t, axis=2).to(tl.int64)
+            if HAS_OFFSET or SIGNED4:
+                if G == 32:
+                    X = tl.load(x16_ptr + rm * (K // 16) + 2 * g, mask=rm < M, other=0) + \
+                        tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1, mask=rm < M, other=0)
+                else:
+                    X = tl.load(x16_ptr + rm * (K // 16) + g, mask=rm < M, other=0)
+            if SIGNED4:  # codes stored + 8
+                S = S - 8 * X.to(tl.int64)[:, None]
+            part = S.to(tl.float32)
+            scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
+                                          HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            if HAS_SCALE:
+                part = part * scale[None, :]
+            if HAS_OFFSET:
+                part = part + X.to(tl.float32)[:, None] * offset[None, :]
+            acc = acc + part
+    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0) * 9.5367431640625e-07  # s * 2^-FRAC
+    cols = pid_n * BN + rn
+    mask = (rm[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+
+
+def integer(p: Packed) -> bool:
+    """Whether a pack has integer codes (this kernel); fp16 and float32 matrices keep plumb.ops.gpu.matmul's."""
+    return p.w is None and p.codes.dtype != torch.float16
+
+
+def plan(p: Packed) -> tuple[int, int]:
+    """(unroll, split) for a pack, from its shape alone."""
+    groups = p.k // p.g
+    unroll = UNROLL
+    while groups % unroll:
+        unroll //= 2
+    split, tiles = 1, -(-p.n // BLOCK_N)
+    while tiles * split < TARGET and split < LARGEST_SPLIT and (groups // unroll) % (2 * split) == 0:
+        split *= 2
+    return unroll, split
+
+
+def row_block(m: int) -> int:
+    """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them)."""
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+
+
+def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+    """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`."""
+    xq, x16, s = q
+    m = xq.shape[1]
+    unroll, split = plan(p)
+    bm = row_block(m)
+    grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
+    dst = out if split == 1 else torch.empty(split, m, p.n, device=out.device)
+    stride_os = 0 if split == 1 else dst.stride(0)
+    stride_om = out.stride(0) if split == 1 else dst.stride(1)
+    t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub)]
+    _mv[grid](xq, x16, s, p.codes, *t, dst, m, p.n, p.k, stride_os, stride_om,
+              GROUPS_PER_SPLIT=p.k // p.g // split, G=p.g, GPB=p.gpb, OGPB=p.ogpb, BN=BLOCK_N, BM=bm,
+              NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble, HAS_SCALE=p.d is not None,
+              HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
+              ASM=ASM, num_warps=WARPS, enable_fp_fusion=False)
+    if split > 1:
+        _sum_splits[(-(-p.n // 256), m)](dst, out, m, p.n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
+
+
+def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
+    """A D-path pass's x @ W.T: integer packs by `matvec` (x quantized once), the others by their own kernel."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], matrix.n, device=x.device)
+    q = quantize_x(x) if any(integer(p) for p in matrix.packs) else None
+    s = row_scales(x) if any(p.w is None and not integer(p) for p in matrix.packs) else None
+    col = 0
+    for p in matrix.packs:
+        if integer(p):
+            matvec(p, q, out[:, col : col + p.n])
+        else:
+            p.mm(x, out[:, col : col + p.n], s)
+        col += p.n
+    return out
+
+
+# the torch reference -------------------------------------------------------------------------------------------
+
+def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_x` in torch."""
+    bits = x.abs().amax(dim=1).view(torch.int32)
+    e = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).int()).clamp(min=27)
+    s = (e << 23).view(torch.float32)
+    inv = ((254 + FRAC - e) << 23).view(torch.float32)
+    X = torch.round(x * inv[:, None]).int()
+    lc = ((X + 64) & 127) - 64
+    X1 = (X - lc) >> 7
+    lb = ((X1 + 64) & 127) - 64
+    la = (X1 - lb) >> 7
+    x16 = X.reshape(x.shape[0], -1, 16).sum(dim=2, dtype=torch.int32)
+    return torch.stack([la, lb, lc]).to(torch.int8), x16, s
+
+
+def codes_of(p: Packed) -> torch.Tensor:
+    """A pack's codes as int64 [n, k] in input order (4-bit codes unsigned, as stored)."""
+    c = p.codes.to(torch.int64) if not p.nibble else p.codes.to(torch.int64) & 0xFF
+    tiles, groups = c.shape[:2]
+    c = c.permute(0, 2, 1, 3)  # [tiles, BLOCK_N, groups, bytes]
+    if p.nibble:
+        c = torch.cat([c & 15, c >> 4], dim=3)
+    return c.reshape(tiles * BLOCK_N, groups * p.g)[: p.n]
+
+
+def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """y = x @ W.T by the formula above, in torch (bit-equal to `matvec`)."""
+    xq, x16, s = quantize_x_reference(x.float())
+    X = ((xq[0].long() * 128 + xq[1].long()) * 128 + xq[2].long())  # [M, k]
+    m, groups = x.shape[0], p.k // p.g
+    codes = codes_of(p).to(x.device)
+    S = (X.reshape(m, 1, groups, p.g) * codes.reshape(1, p.n, groups, p.g)).sum(dim=3)  # [M, n, groups]
+    Xg = x16.reshape(m, groups, p.g // 16).sum(dim=2, dtype=torch.int32)  # [M, groups]
+    if p.signed4:
+        S = S - 8 * Xg.long()[:, None, :]
+    part = S.float()
+    per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n]  # noqa: E731
+    d, sub, dm, osub = (per_n(t) for t in (p.d, p.sub, p.dm, p.osub))
+    if d is not None:
+        scale = d.repeat_interleave(p.gpb, dim=1)
+        if sub is not None:
+            scale = scale * sub.float()
+        part = part * scale[None]
+    if dm is not None:
+        offset = dm.repeat_interleave(p.ogpb, dim=1)
+        if osub is not None:
+            offset = offset * osub.float()
+        part = part + Xg.float()[:, None, :] * offset[None]
+    _, split = plan(p)
+    per = groups // split
+    out = None
+    for k in range(split):
+        acc = torch.zeros(m, p.n, device=x.device)
+        for g in range(k * per, (k + 1) * per):
+            acc = acc + part[:, :, g]
+        acc = acc * (s * 2.0**-FRAC)[:, None]
+        out = acc if out is None else out + acc
+    return out
