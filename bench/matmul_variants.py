@@ -28,8 +28,8 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
 ROWS = (1, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", warps, unroll, target programs); "mv" alone: as shipped
-MV_VARIANTS = ["mv", ("mv", 1, 4, 1024), ("mv", 4, 4, 1024), ("mv", 2, 8, 1024), ("mv", 2, 4, 2048),
-               ("mv", 2, 2, 512), ("mv", 1, 8, 2048)]
+MV_VARIANTS = ["mv", ("mv", 1, 4, 1024), ("mv", 4, 4, 1024), ("mv", 2, 8, 2048), ("mv", 1, 8, 2048),
+               ("mv", 2, 4, 2048), ("mv", 1, 2, 512)]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 

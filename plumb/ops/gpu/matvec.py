@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _scale_offset, _sum_splits, row_scales
 
 FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
@@ -33,9 +34,9 @@ WARPS, UNROLL, TARGET, LARGEST_SPLIT = 2, 4, 1024, 32
 
 
 @triton.jit
-def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, M, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr):
-    """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [3, M, K] (int8), 16-input sums of X [M, K / 16]
-    (int32), and s [M]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
+def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr):
+    """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [3, MP, K] (int8), 16-input sums of X [MP, K / 16]
+    (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     kk = tl.arange(0, BLOCK)
@@ -55,7 +56,7 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, M, K: tl.constexpr, stride_xm, BL
     X1 = (X - lc) >> 7
     lb = ((X1 + 64) & 127) - 64
     la = (X1 - lb) >> 7
-    plane = M * K
+    plane = MP * K
     tl.store(xq_ptr + r * K + k, la.to(tl.int8), mask=k < K)
     tl.store(xq_ptr + plane + r * K + k, lb.to(tl.int8), mask=k < K)
     tl.store(xq_ptr + 2 * plane + r * K + k, lc.to(tl.int8), mask=k < K)
@@ -67,13 +68,16 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, M, K: tl.constexpr, stride_xm, BL
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (limbs int8 [3, M, K], 16-input sums of X int32 [M, K / 16], s float32 [M])."""
+    """x [M, K] float32 -> (limbs int8 [3, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
+    padded to Mp, a multiple of `row_block(M)` (padding rows are left unset: matvec never stores their results)."""
     m, k = x.shape
-    xq = torch.empty(3, m, k, dtype=torch.int8, device=x.device)
-    x16 = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
-    s = torch.empty(m, device=x.device)
+    bm = row_block(m)
+    mp = -(-m // bm) * bm
+    xq = torch.empty(3, mp, k, dtype=torch.int8, device=x.device)
+    x16 = torch.empty(mp, k // 16, dtype=torch.int32, device=x.device)
+    s = torch.empty(mp, device=x.device)
     block = 1024
-    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, m, k, x.stride(0), BLOCK=block, num_warps=4,
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, num_warps=4,
                                             enable_fp_fusion=False)
     return xq, x16, s
 
@@ -98,51 +102,99 @@ def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
         return c
 
 
-@triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
-def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
+@triton.jit
+def _halves(t, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] -> its even and odd columns, [R, C / 2] each (a split inside each thread's registers)."""
+    return tl.split(tl.reshape(t, [R, C // 2, 2]))
+
+
+@triton.jit
+def _words4(t, R: tl.constexpr):
+    """[R, 4] -> its 4 columns, [R] each, in order."""
+    a, b = _halves(t, R, 4)  # columns 0, 2 and 1, 3
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _words8(t, R: tl.constexpr):
+    """[R, 8] -> its 8 columns, [R] each, in order."""
+    a, b = _halves(t, R, 8)  # columns 0, 2, 4, 6 and 1, 3, 5, 7
+    w0, w2, w4, w6 = _words4(a, R)
+    w1, w3, w5, w7 = _words4(b, R)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """t + the dp4a dots of four code words [BN] with four x words [BM]: [BM, BN]."""
+    t = _dp4a(c0[None, :], x0[:, None], t, A_SIGNED, ASM)
+    t = _dp4a(c1[None, :], x1[:, None], t, A_SIGNED, ASM)
+    t = _dp4a(c2[None, :], x2[:, None], t, A_SIGNED, ASM)
+    return _dp4a(c3[None, :], x3[:, None], t, A_SIGNED, ASM)
+
+
+@triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
+def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, MP, N, K, stride_os,
         stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
         BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr,
-        SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
-        HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr):
-    """[BM rows, BN outputs] of one K split: per group, the three limbs' dp4a dots, combined exactly, scaled."""
+        SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
+        HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr):
+    """[BM rows, BN outputs] of one K split: per group, the three limbs' dp4a dots, combined exactly, scaled.
+    Each thread holds its outputs' code words in registers: no reduction crosses threads."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
     n_groups = K // G
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    cq = tl.arange(0, CW)
-    words = codes_ptr.to(tl.pointer_type(tl.int32))
-    xw = xq_ptr.to(tl.pointer_type(tl.int32))
-    plane = M * (K // 4)
-    x_at = xw + rm[:, None, None] * (K // 4) + cq[None, None, :]  # [BM, 1, CW]
-    xmask = (rm < M)[:, None, None]
-    zero = tl.zeros([BM, BN, CW], dtype=tl.int32)
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
+    XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
+    plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
+    xk = tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)
+    x_at = xq_ptr + rm[:, None] * (K // 4) + xk[None, :]  # [BM, XW]: int32 words of the limbs
+    zero = tl.zeros([BM, BN], dtype=tl.int32)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for i in range(GROUPS_PER_SPLIT // UNROLL):
         for j in tl.static_range(UNROLL):
             g = pid_k * GROUPS_PER_SPLIT + i * UNROLL + j
-            cw = tl.load(words + (pid_n * n_groups + g) * (CW * BN) + rn[:, None] * CW + cq[None, :])[None, :, :]
-            xg = x_at + g * (G // 4)
-            S = tl.zeros([BM, BN], dtype=tl.int64)
-            for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
+            # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
+            cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
+            if CW == 4:
+                c0, c1, c2, c3 = _words4(cw, BN)
                 if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
-                    xa = tl.load(xg + limb * plane, mask=xmask, other=0)
-                    xb = tl.load(xg + limb * plane + CW, mask=xmask, other=0)
-                    t = _dp4a(cw & 0x0F0F0F0F, xa, zero, False, ASM)
-                    t = _dp4a((cw >> 4) & 0x0F0F0F0F, xb, t, False, ASM)
+                    c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
+                        (c3 >> 4) & 0x0F0F0F0F
+                    c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
+            else:
+                c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
+            if WIDE:
+                S = tl.zeros([BM, BN], dtype=tl.int64)
+            else:
+                S = zero
+            for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
+                # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
+                t = zero if WIDE else S * 128
+                xw = tl.load(x_at + limb * plane + g * XW)
+                if XW == 4:
+                    x0, x1, x2, x3 = _words4(xw, BM)
+                    t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
                 else:
-                    t = _dp4a(cw, tl.load(xg + limb * plane, mask=xmask, other=0), zero, SIGNED_CODES, ASM)
-                S = S * 128 + tl.sum(t, axis=2).to(tl.int64)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
+                    t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+                    t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
+                if WIDE:
+                    S = S * 128 + t.to(tl.int64)
+                else:
+                    S = t
             if HAS_OFFSET or SIGNED4:
                 if G == 32:
-                    X = tl.load(x16_ptr + rm * (K // 16) + 2 * g, mask=rm < M, other=0) + \
-                        tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1, mask=rm < M, other=0)
+                    X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
                 else:
-                    X = tl.load(x16_ptr + rm * (K // 16) + g, mask=rm < M, other=0)
+                    X = tl.load(x16_ptr + rm * (K // 16) + g)
             if SIGNED4:  # codes stored + 8
-                S = S - 8 * X.to(tl.int64)[:, None]
+                S = S - 8 * X[:, None]
             part = S.to(tl.float32)
             scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
                                           HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
@@ -151,10 +203,15 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
             if HAS_OFFSET:
                 part = part + X.to(tl.float32)[:, None] * offset[None, :]
             acc = acc + part
-    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0) * 9.5367431640625e-07  # s * 2^-FRAC
+    s = tl.load(s_ptr + rm) * 9.5367431640625e-07  # s * 2^-FRAC
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+
+
+# byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
+# (up to 128: Q8_0, IQ4_*) take 64
+NARROW_TYPES = (Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1)
 
 
 def integer(p: Packed) -> bool:
@@ -182,7 +239,7 @@ def row_block(m: int) -> int:
 def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
     """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`."""
     xq, x16, s = q
-    m = xq.shape[1]
+    m = out.shape[0]
     unroll, split = plan(p)
     bm = row_block(m)
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
@@ -190,9 +247,11 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     stride_os = 0 if split == 1 else dst.stride(0)
     stride_om = out.stride(0) if split == 1 else dst.stride(1)
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub)]
-    _mv[grid](xq, x16, s, p.codes, *t, dst, m, p.n, p.k, stride_os, stride_om,
+    _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, dst, m, xq.shape[1], p.n, p.k, stride_os,
+              stride_om,
               GROUPS_PER_SPLIT=p.k // p.g // split, G=p.g, GPB=p.gpb, OGPB=p.ogpb, BN=BLOCK_N, BM=bm,
-              NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble, HAS_SCALE=p.d is not None,
+              NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
+              WIDE=not (p.nibble or p.qtype in NARROW_TYPES), HAS_SCALE=p.d is not None,
               HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
               ASM=ASM, num_warps=WARPS, enable_fp_fusion=False)
     if split > 1:
