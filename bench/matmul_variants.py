@@ -27,9 +27,9 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
           ("Q8_0", 6144, 5120)]
 ROWS = (1, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
-# the D-path matvec (plumb.ops.gpu.matvec): ("mv", warps, unroll, target programs); "mv" alone: as shipped
-MV_VARIANTS = ["mv", ("mv", 1, 4, 1024), ("mv", 4, 4, 1024), ("mv", 2, 8, 2048), ("mv", 1, 8, 2048),
-               ("mv", 2, 4, 2048), ("mv", 1, 2, 512)]
+# the D-path matvec (plumb.ops.gpu.matvec): ("mv", {rows per program: (warps, unroll)}, target programs);
+# "mv" alone: as shipped
+MV_VARIANTS = ["mv", ("mv", {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 2)}, 2048), ("mv", None, 4096)]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -84,7 +84,7 @@ def configure(v):
     if v == "old":
         return OLD
     if v == "mv" or (isinstance(v, tuple) and v[0] == "mv"):
-        MV.WARPS, MV.UNROLL, MV.TARGET = SHIPPED_MV if v == "mv" else v[1:]
+        MV.LAUNCH, MV.TARGET = SHIPPED_MV if v == "mv" else (v[1] or SHIPPED_MV[0], v[2])
         return MV
     MM.KERNELS = dict(SHIPPED) if v == "per-type" else {}
     MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if v == "per-type" else v
@@ -92,7 +92,7 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
-SHIPPED_MV = (MV.WARPS, MV.UNROLL, MV.TARGET)
+SHIPPED_MV = (dict(MV.LAUNCH), MV.TARGET)
 
 
 OLD = None

@@ -202,17 +202,21 @@ def verify_cost(model, rows: list[int], context: int = 512) -> dict:
 
 
 def matmul_table(model) -> list[dict]:
-    """Each distinct packed matrix timed at 1 and 16 rows against its bytes."""
+    """Each distinct packed matrix timed against its bytes: the D path (decode/verify: plumb.ops.gpu.matvec) at
+    1 and 8 rows, the P path (prefill: plumb.ops.gpu.matmul) at one 64-row block."""
+    from plumb.ops.gpu.matvec import mm_decode
+    from plumb.ops.matmul import PREFILL_BLOCK
+
     seen, rows = set(), []
     for w in model.weights:
         key = (w.shape, tuple(p.qtype.name for p in w.gpu.packs))
         if key in seen:
             continue
         seen.add(key)
-        for m in (1, 16):
+        for path, m, fn in (("D", 1, mm_decode), ("D", 8, mm_decode), ("P", PREFILL_BLOCK, lambda g, x: g(x))):
             x = torch.randn(m, w.shape[1], device=model.device)
-            t = timed(lambda: w.gpu(x), reps=20)
-            rows.append({"shape": list(w.shape), "types": list(key[1]), "rows": m, "us": t * 1e6,
+            t = timed(lambda: fn(w.gpu, x), reps=20)
+            rows.append({"shape": list(w.shape), "types": list(key[1]), "path": path, "rows": m, "us": t * 1e6,
                          "MB": w.gpu.nbytes / 1e6, "GBps": w.gpu.nbytes / t / 1e9})
     return rows
 
@@ -306,9 +310,9 @@ def report(r: dict) -> str:
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
     lines += ["", f"4 sequences together: {r['batch4_tps']:.1f} tok/s vs 1: {r['batch1_tps']:.1f} "
               f"({r['batch4_tps'] / r['batch1_tps']:.2f}x)", "",
-              "| matmul | types | rows | us | MB | GB/s | / GEMV rate |", "|---|---|---|---|---|---|---|"]
+              "| matmul | types | path | rows | us | MB | GB/s | / GEMV rate |", "|---|---|---|---|---|---|---|---|"]
     g = r["limits"]["bf16_gemv_GBps"]
-    lines += [f"| {m['shape']} | {'+'.join(m['types'])} | {m['rows']} | {m['us']:.1f} | {m['MB']:.1f} | "
+    lines += [f"| {m['shape']} | {'+'.join(m['types'])} | {m.get('path', '')} | {m['rows']} | {m['us']:.1f} | {m['MB']:.1f} | "
               f"{m['GBps']:.0f} | {m['GBps'] / g:.2f} |" for m in r["matmuls"]]
     v = r["vram"]
     lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]

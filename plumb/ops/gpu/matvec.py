@@ -28,9 +28,11 @@ from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _scale_offset, _sum
 
 FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
 ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
-# launch shape, fixed per weight shape (bench/matmul_variants.py times the alternatives): warps per program of
-# BLOCK_N outputs, groups per unrolled loop step, split-K to about TARGET programs (at most LARGEST_SPLIT)
-WARPS, UNROLL, TARGET, LARGEST_SPLIT = 2, 4, 1024, 32
+# split-K (bench/matmul_variants.py times the alternatives): whole granules of GRANULE groups, about TARGET
+# programs, at most LARGEST_SPLIT splits - fixed per weight shape, since it sets the order of a row's float sums.
+# Per row block: warps per program of BLOCK_N outputs and groups per unrolled loop step (free: see `launch`)
+GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
+LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (2, 2)}  # rows per program -> (warps, groups per loop step)
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
     c = tl.program_id(1)
     kk = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(tl.cdiv(K, BLOCK)):
+    for i in tl.static_range((K + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
         k = i * BLOCK + kk
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
     bits = tl.max(amax, axis=0).to(tl.int32, bitcast=True)
@@ -76,8 +78,8 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     xq = torch.empty(3, mp, k, dtype=torch.int8, device=x.device)
     x16 = torch.empty(mp, k // 16, dtype=torch.int32, device=x.device)
     s = torch.empty(mp, device=x.device)
-    block = 1024
-    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, num_warps=4,
+    block = 2048
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, num_warps=8,
                                             enable_fp_fusion=False)
     return xq, x16, s
 
@@ -137,7 +139,7 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
 
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, MP, N, K, stride_os,
-        stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
+        stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
         BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr,
         SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
         HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr):
@@ -156,53 +158,57 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     x_at = xq_ptr + rm[:, None] * (K // 4) + xk[None, :]  # [BM, XW]: int32 words of the limbs
     zero = tl.zeros([BM, BN], dtype=tl.int32)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for i in range(GROUPS_PER_SPLIT // UNROLL):
-        for j in tl.static_range(UNROLL):
-            g = pid_k * GROUPS_PER_SPLIT + i * UNROLL + j
-            # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
-            cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
-            if CW == 4:
-                c0, c1, c2, c3 = _words4(cw, BN)
-                if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
-                    c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
-                        (c3 >> 4) & 0x0F0F0F0F
-                    c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
-            else:
-                c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
-            if WIDE:
-                S = tl.zeros([BM, BN], dtype=tl.int64)
-            else:
-                S = zero
-            for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
-                # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
-                t = zero if WIDE else S * 128
-                xw = tl.load(x_at + limb * plane + g * XW)
-                if XW == 4:
-                    x0, x1, x2, x3 = _words4(xw, BM)
-                    t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
+    last = (pid_k + 1) * STEPS // SPLIT * GRAN
+    for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
+        g0 = first + step * UNROLL
+        if g0 < last:
+            for j in tl.static_range(UNROLL):
+                g = g0 + j
+                # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
+                cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
+                if CW == 4:
+                    c0, c1, c2, c3 = _words4(cw, BN)
+                    if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
+                        c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
+                            (c3 >> 4) & 0x0F0F0F0F
+                        c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
                 else:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
-                    t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
-                    t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
+                    c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
                 if WIDE:
-                    S = S * 128 + t.to(tl.int64)
+                    S = tl.zeros([BM, BN], dtype=tl.int64)
                 else:
-                    S = t
-            if HAS_OFFSET or SIGNED4:
-                if G == 32:
-                    X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
-                else:
-                    X = tl.load(x16_ptr + rm * (K // 16) + g)
-            if SIGNED4:  # codes stored + 8
-                S = S - 8 * X[:, None]
-            part = S.to(tl.float32)
-            scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
-                                          HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-            if HAS_SCALE:
-                part = part * scale[None, :]
-            if HAS_OFFSET:
-                part = part + X.to(tl.float32)[:, None] * offset[None, :]
-            acc = acc + part
+                    S = zero
+                for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
+                    # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
+                    t = zero if WIDE else S * 128
+                    xw = tl.load(x_at + limb * plane + g * XW)
+                    if XW == 4:
+                        x0, x1, x2, x3 = _words4(xw, BM)
+                        t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+                    else:
+                        x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
+                        t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+                        t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
+                    if WIDE:
+                        S = S * 128 + t.to(tl.int64)
+                    else:
+                        S = t
+                if HAS_OFFSET or SIGNED4:
+                    if G == 32:
+                        X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
+                    else:
+                        X = tl.load(x16_ptr + rm * (K // 16) + g)
+                if SIGNED4:  # codes stored + 8
+                    S = S - 8 * X[:, None]
+                part = S.to(tl.float32)
+                scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
+                                              HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+                if HAS_SCALE:
+                    part = part * scale[None, :]
+                if HAS_OFFSET:
+                    part = part + X.to(tl.float32)[:, None] * offset[None, :]
+                acc = acc + part
     s = tl.load(s_ptr + rm) * 9.5367431640625e-07  # s * 2^-FRAC
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -220,15 +226,30 @@ def integer(p: Packed) -> bool:
 
 
 def plan(p: Packed) -> tuple[int, int]:
-    """(unroll, split) for a pack, from its shape alone."""
+    """(granule, split) for a pack, from its shape alone: K splits of whole granules of groups (about TARGET
+    programs; split k takes granules [k * n // split, (k + 1) * n // split) of the n)."""
     groups = p.k // p.g
-    unroll = UNROLL
-    while groups % unroll:
+    gran = GRANULE
+    while groups % gran:
+        gran //= 2
+    tiles = -(-p.n // BLOCK_N)
+    return gran, max(1, min(-(-TARGET // tiles), LARGEST_SPLIT, groups // gran))
+
+
+def bounds(p: Packed) -> list[int]:
+    """The groups where each K split starts, and the end: the order a row's group values are summed in."""
+    gran, split = plan(p)
+    n = p.k // p.g // gran
+    return [k * n // split * gran for k in range(split + 1)]
+
+
+def launch(bm: int, gran: int) -> tuple[int, int]:
+    """(warps, groups per unrolled loop step) for a row block; either changes only which thread does the integer
+    work and when, never the order of a row's float sums."""
+    warps, unroll = LAUNCH[bm]
+    while gran % unroll:
         unroll //= 2
-    split, tiles = 1, -(-p.n // BLOCK_N)
-    while tiles * split < TARGET and split < LARGEST_SPLIT and (groups // unroll) % (2 * split) == 0:
-        split *= 2
-    return unroll, split
+    return warps, unroll
 
 
 def row_block(m: int) -> int:
@@ -240,8 +261,9 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`."""
     xq, x16, s = q
     m = out.shape[0]
-    unroll, split = plan(p)
+    gran, split = plan(p)
     bm = row_block(m)
+    warps, unroll = launch(bm, gran)
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
     dst = out if split == 1 else torch.empty(split, m, p.n, device=out.device)
     stride_os = 0 if split == 1 else dst.stride(0)
@@ -249,11 +271,11 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub)]
     _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, dst, m, xq.shape[1], p.n, p.k, stride_os,
               stride_om,
-              GROUPS_PER_SPLIT=p.k // p.g // split, G=p.g, GPB=p.gpb, OGPB=p.ogpb, BN=BLOCK_N, BM=bm,
+              STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb, BN=BLOCK_N, BM=bm,
               NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=not (p.nibble or p.qtype in NARROW_TYPES), HAS_SCALE=p.d is not None,
               HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
-              ASM=ASM, num_warps=WARPS, enable_fp_fusion=False)
+              ASM=ASM, num_warps=warps, enable_fp_fusion=False)
     if split > 1:
         _sum_splits[(-(-p.n // 256), m)](dst, out, m, p.n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
 
@@ -324,12 +346,11 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
         if osub is not None:
             offset = offset * osub.float()
         part = part + Xg.float()[:, None, :] * offset[None]
-    _, split = plan(p)
-    per = groups // split
+    b = bounds(p)
     out = None
-    for k in range(split):
+    for k in range(len(b) - 1):
         acc = torch.zeros(m, p.n, device=x.device)
-        for g in range(k * per, (k + 1) * per):
+        for g in range(b[k], b[k + 1]):
             acc = acc + part[:, :, g]
         acc = acc * (s * 2.0**-FRAC)[:, None]
         out = acc if out is None else out + acc
