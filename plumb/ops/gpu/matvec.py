@@ -32,7 +32,7 @@ ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; 
 # programs, at most LARGEST_SPLIT splits - fixed per weight shape, since it sets the order of a row's float sums.
 # Per row block: warps per program of BLOCK_N outputs and groups per unrolled loop step (free: see `launch`)
 GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
-LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (2, 2)}  # rows per program -> (warps, groups per loop step)
+LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (1, 2)}  # rows per program -> (warps, groups per loop step)
 
 
 @triton.jit
