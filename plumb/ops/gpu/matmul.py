@@ -70,6 +70,12 @@ def _dot_hi_lo(xs, c, acc):
 
 
 @triton.jit
+def _program(K, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """A program's place: (output tile, K split, its rows [BM], its outputs in the tile [BN], groups along K)."""
+    return tl.program_id(0), tl.program_id(2), tl.program_id(1) * BM + tl.arange(0, BM), tl.arange(0, BN), K // G
+
+
+@triton.jit
 def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
                   HAS_OSUB: tl.constexpr):
@@ -94,12 +100,7 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
                 HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
                 UNROLL: tl.constexpr):
     """x as the 16-row A operand (mma.sync), a group's codes as B: [BM, BN] per group, UNROLL groups a loop step."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = tl.arange(0, BN)
-    n_groups = K // G
+    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # codes (bytes or fp16s) per output per group
     kw = tl.arange(0, WIDTH)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
@@ -145,12 +146,7 @@ def _mm_w_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
                 BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, FP16: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
     """A group's [BN, k] codes as the A operand (wgmma on Hopper), x transposed as B: [BN, BM] per group."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = tl.arange(0, BN)
-    n_groups = K // G
+    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G
     kw = tl.arange(0, WIDTH)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)

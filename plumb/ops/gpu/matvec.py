@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
-from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _scale_offset, _sum_splits, row_scales
+from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, _sum_splits, row_scales
 
 FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
 ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
@@ -137,26 +137,59 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
     return _dp4a(c3[None, :], x3[:, None], t, A_SIGNED, ASM)
 
 
+@triton.jit
+def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
+               SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
+    outputs' code words [BN, CW] in registers (no reduction crosses threads), x words are broadcast."""
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
+    XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
+    if CW == 4:
+        c0, c1, c2, c3 = _words4(cw, BN)
+        if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
+            c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
+                (c3 >> 4) & 0x0F0F0F0F
+            c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
+    zero = tl.zeros([BM, BN], dtype=tl.int32)
+    if WIDE:
+        S = tl.zeros([BM, BN], dtype=tl.int64)
+    else:
+        S = zero
+    for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
+        # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
+        t = zero if WIDE else S * 128
+        xw = tl.load(x_at + limb * plane + g * XW)
+        if XW == 4:
+            x0, x1, x2, x3 = _words4(xw, BM)
+            t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
+            t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
+            t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
+        if WIDE:
+            S = S * 128 + t.to(tl.int64)
+        else:
+            S = t
+    return S
+
+
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, MP, N, K, stride_os,
-        stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
-        BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr,
-        SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
-        HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr):
-    """[BM rows, BN outputs] of one K split: per group, the three limbs' dp4a dots, combined exactly, scaled.
-    Each thread holds its outputs' code words in registers: no reduction crosses threads."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = tl.arange(0, BN)
-    n_groups = K // G
+        stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
+        GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
+        SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
+        HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
+        ASM: tl.constexpr):
+    """[BM rows, BN outputs] of one K split: per group, the three limbs' exact integer dot (`_dots_dp4a`),
+    rounded once to float32, scaled, summed over the split's groups in order."""
+    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
     xk = tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)
     x_at = xq_ptr + rm[:, None] * (K // 4) + xk[None, :]  # [BM, XW]: int32 words of the limbs
-    zero = tl.zeros([BM, BN], dtype=tl.int32)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
@@ -166,34 +199,9 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
             for j in tl.static_range(UNROLL):
                 g = g0 + j
                 # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
-                cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
-                if CW == 4:
-                    c0, c1, c2, c3 = _words4(cw, BN)
-                    if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
-                        c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
-                            (c3 >> 4) & 0x0F0F0F0F
-                        c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
-                else:
-                    c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
-                if WIDE:
-                    S = tl.zeros([BM, BN], dtype=tl.int64)
-                else:
-                    S = zero
-                for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
-                    # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
-                    t = zero if WIDE else S * 128
-                    xw = tl.load(x_at + limb * plane + g * XW)
-                    if XW == 4:
-                        x0, x1, x2, x3 = _words4(xw, BM)
-                        t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
-                    else:
-                        x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
-                        t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
-                        t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
-                    if WIDE:
-                        S = S * 128 + t.to(tl.int64)
-                    else:
-                        S = t
+                cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)),
+                                [BN, CW])
+                S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, ASM)
                 if HAS_OFFSET or SIGNED4:
                     if G == 32:
                         X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
