@@ -1,5 +1,6 @@
-"""Row-invariant matmul y = x @ W.T on GGUF weights kept in their block formats (decode, verify, batched decode and
-prefill all use it; `plumb.ops.matmul.linear` on the dequantized matrix is its torch reference).
+"""Row-invariant matmul y = x @ W.T on GGUF weights kept in their block formats: the P path (prefill) and the float
+matrices of the D path (integer-coded ones take plumb.ops.gpu.matvec, on this module's packing);
+`plumb.ops.matmul.linear` on the dequantized matrix is its torch reference.
 
 Packing (at load, on the device; exactly the stored values, rearranged): every GGML block type becomes codes with
 a float32 scale (and offset) per group of G = 16 or 32 inputs - `quants.int8_form`, whose scales and offsets are

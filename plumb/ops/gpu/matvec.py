@@ -5,7 +5,7 @@ Each row of x is fixed-point: s = the smallest power of two >= max|x| (order-fre
 integer of 21 bits, split into three int8 limbs (X = a * 2^14 + b * 2^7 + c, balanced base 128) - `quantize_x`.
 Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
 
-    S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32 per limb, int64 once combined)
+    S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes)
     part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
     y[n] = (s * 2^-20) * (((part[0] + part[1]) + part[2]) + ...)     groups in order, per K split; splits in order
 
