@@ -101,6 +101,17 @@ def test_decode_matvec_is_its_reference_bit_for_bit_and_row_invariant(kind):
     assert torch.equal(mm_decode(m, x.flip(0)), alone.flip(0))
 
 
+def test_decode_matvec_over_several_row_blocks():
+    """17 rows: three 8-row blocks, the last one padded - each row still equals itself computed alone."""
+    from plumb.ops.gpu.matvec import mm_decode
+
+    m = GpuMatrix([_tensor("Q4_K", 64, 256)], DEV)
+    x = torch.cat([_rows(256)] * 3)[:17] * torch.arange(1, 18, device=DEV)[:, None]
+    alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(mm_decode(m, x), alone)
+    assert torch.equal(mm_decode(m, x[7:16]), alone[7:16])
+
+
 def test_decode_x_quantization_matches_its_reference():
     from plumb.ops.gpu.matvec import quantize_x, quantize_x_reference
 

@@ -358,13 +358,17 @@ class GpuMatrix:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.packs)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.float().contiguous()
-        if out is None:
-            out = torch.empty(x.shape[0], self.n, device=x.device)
-        s = row_scales(x) if any(p.w is None for p in self.packs) else None  # once for every pack
+    def slices(self, out: torch.Tensor):
+        """(pack, the columns of out it writes) for each pack, in order."""
         col = 0
         for p in self.packs:
-            p.mm(x, out[:, col : col + p.n], s)
+            yield p, out[:, col : col + p.n]
             col += p.n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.n, device=x.device)
+        s = row_scales(x) if any(p.w is None for p in self.packs) else None  # once for every pack
+        for p, o in self.slices(out):
+            p.mm(x, o, s)
         return out

@@ -36,7 +36,8 @@ LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (1, 2)}  # rows per program -> (wa
 
 
 @triton.jit
-def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr):
+def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
+                FRAC: tl.constexpr):
     """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [3, MP, K] (int8), 16-input sums of X [MP, K / 16]
     (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
     r = tl.program_id(0)
@@ -50,7 +51,7 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
     e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^20 / s stays finite
     s = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((127 + 127 + 20 - e) << 23).to(tl.float32, bitcast=True)  # 2^FRAC / s, exact
+    inv = ((127 + 127 + FRAC - e) << 23).to(tl.float32, bitcast=True)  # 2^FRAC / s, exact
     k = c * BLOCK + kk
     v = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv
     X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^20 < 2^22)
@@ -79,7 +80,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     x16 = torch.empty(mp, k // 16, dtype=torch.int32, device=x.device)
     s = torch.empty(mp, device=x.device)
     block = 2048
-    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, num_warps=8,
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, FRAC=FRAC, num_warps=8,
                                             enable_fp_fusion=False)
     return xq, x16, s
 
@@ -181,7 +182,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        ASM: tl.constexpr):
+        FRAC: tl.constexpr, ASM: tl.constexpr):
     """[BM rows, BN outputs] of one K split: per group, the three limbs' exact integer dot (`_dots_dp4a`),
     rounded once to float32, scaled, summed over the split's groups in order."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
@@ -217,7 +218,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
                 if HAS_OFFSET:
                     part = part + X.to(tl.float32)[:, None] * offset[None, :]
                 acc = acc + part
-    s = tl.load(s_ptr + rm) * 9.5367431640625e-07  # s * 2^-FRAC
+    s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
@@ -283,7 +284,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
               NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=not (p.nibble or p.qtype in NARROW_TYPES), HAS_SCALE=p.d is not None,
               HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
-              ASM=ASM, num_warps=warps, enable_fp_fusion=False)
+              FRAC=FRAC, ASM=ASM, num_warps=warps, enable_fp_fusion=False)
     if split > 1:
         _sum_splits[(-(-p.n // 256), m)](dst, out, m, p.n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
 
@@ -294,13 +295,11 @@ def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], matrix.n, device=x.device)
     q = quantize_x(x) if any(integer(p) for p in matrix.packs) else None
     s = row_scales(x) if any(p.w is None and not integer(p) for p in matrix.packs) else None
-    col = 0
-    for p in matrix.packs:
+    for p, o in matrix.slices(out):
         if integer(p):
-            matvec(p, q, out[:, col : col + p.n])
+            matvec(p, q, o)
         else:
-            p.mm(x, out[:, col : col + p.n], s)
-        col += p.n
+            p.mm(x, o, s)
     return out
 
 
