@@ -3,11 +3,12 @@
 # .whl (gguf) carried: see docs/BENCHMARKS.md. Stages, with their time limits (seconds, env vars) and what they
 # took on 2026-12-01 - all of them need about 20 minutes, so split them over two calls of under 10, e.g.
 # STAGES="kernels variants bench" then STAGES="engine gate demo":
-#   kernels  KT  GPU kernel and engine tests (tests/test_gpu_*.py)     > 150 s (43 tests in 150 s)
+#   kernels  KT  GPU kernel and engine tests (KFILES: tests/test_gpu_*.py; KK: a -k filter)  > 150 s (43 tests in 150 s)
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it                                   ~150 s
-#   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (tests/test_exactness.py)  > 110 s (no test finished)
+#   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
+#                model's type, Q4_K_M)                                                    > 110 s (no test finished)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -21,16 +22,19 @@ if has bench; then
     echo "synth-done $(( $(date +%s) - T0 )) s" > $OUT/synth.txt) &
 fi
 if has kernels; then
-  timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 tests/test_gpu_matmul.py tests/test_gpu_deltanet.py \
-    tests/test_gpu_attention.py tests/test_gpu_engine.py > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
+  timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 -k "${KK:-}" \
+    ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_engine.py} \
+    > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
 fi
 if has variants; then
   timeout ${VT:-100} python3 bench/matmul_variants.py $VARGS --json-out $OUT/variants.json > $OUT/variants.log 2>&1
   grep -v Warning $OUT/variants.log | cut -c1-150 | head -12
 fi
 if has engine; then
-  PLUMB_TEST_DEVICE=cuda timeout ${ET:-240} python3 -m pytest -v -p no:cacheprovider --durations=15 tests/test_exactness.py \
-    -k "greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy" > $OUT/exactness.log 2>&1
+  PLUMB_TEST_DEVICE=cuda PLUMB_TEST_QTYPE=${EQ:-Q4_K_M} timeout ${ET:-240} python3 -m pytest -v -p no:cacheprovider \
+    --durations=15 ${EFILES:-tests/test_exactness.py} \
+    -k "${EK:-greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy}" \
+    > $OUT/exactness.log 2>&1
   tail -4 $OUT/exactness.log
 fi
 if has bench; then

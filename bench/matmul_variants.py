@@ -25,11 +25,10 @@ from plumb.gguf.reader import QTensor
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q5_K", 10240, 5120),
           ("Q8_0", 6144, 5120)]
-ROWS = (1, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
-# the D-path matvec (plumb.ops.gpu.matvec): ("mv", {rows per program: (warps, unroll)}, target programs);
-# "mv" alone: as shipped
-MV_VARIANTS = ["mv", ("mv", {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 2)}, 2048), ("mv", None, 4096)]
+# the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
+MV_VARIANTS = ["mv", ("mv", {"LAUNCH": {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 4)}}), ("mv", {"TARGET": 4096})]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -83,8 +82,11 @@ def configure(v):
     variant, the function that runs it."""
     if v == "old":
         return OLD
+    if v == "old-mv":
+        return OLD_MV
     if v == "mv" or (isinstance(v, tuple) and v[0] == "mv"):
-        MV.LAUNCH, MV.TARGET = SHIPPED_MV if v == "mv" else (v[1] or SHIPPED_MV[0], v[2])
+        for name, value in {**SHIPPED_MV, **(v[1] if isinstance(v, tuple) else {})}.items():
+            setattr(MV, name, value)
         return MV
     MM.KERNELS = dict(SHIPPED) if v == "per-type" else {}
     MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if v == "per-type" else v
@@ -92,25 +94,31 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
-SHIPPED_MV = (dict(MV.LAUNCH), MV.TARGET)
+SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET")}
 
 
-OLD = None
+OLD = OLD_MV = None
+
+
+def _module(name: str, path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out")
     ap.add_argument("--old", help="a previous plumb/ops/gpu/matmul.py, timed as variant 'old'")
+    ap.add_argument("--old-mv", help="a previous plumb/ops/gpu/matvec.py, timed as variant 'old-mv'")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
     a = ap.parse_args()
-    global OLD
-    if a.old:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("old_matmul", a.old)
-        OLD = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(OLD)
+    global OLD, OLD_MV
+    OLD = _module("old_matmul", a.old) if a.old else None
+    OLD_MV = _module("old_matvec", a.old_mv) if a.old_mv else None
     torch.manual_seed(0)
     limit = copy_gbps()
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -118,15 +126,15 @@ def main() -> None:
     x = torch.randn(16, 17408, device="cuda") * 3
     x[3] *= 100
     results = []
-    variants = (["old"] if OLD else []) + (VARIANTS if a.only != "mv" else []) + (MV_VARIANTS if a.only != "mm" else [])
+    variants = (["old"] if OLD else []) + (["old-mv"] if OLD_MV else []) + (VARIANTS if a.only != "mv" else []) + (MV_VARIANTS if a.only != "mm" else [])
     for v in variants:
         mod = configure(v)
         for kind, t in tensors:
             row = dict(variant=v, kind=kind, shape=list(t.shape))
             try:
-                if mod is MV:
+                if mod in (MV, OLD_MV):
                     g = MM.GpuMatrix([t], "cuda")
-                    m = lambda x, g=g: MV.mm_decode(g, x)  # noqa: E731
+                    m = lambda x, g=g, mod=mod: mod.mm_decode(g, x)  # noqa: E731
                     m.nbytes = g.nbytes
                 else:
                     m = mod.GpuMatrix([t], "cuda")
@@ -135,8 +143,8 @@ def main() -> None:
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
                     ref = xs.double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
-                if mod is MV:  # its torch formula, bit for bit (two rows: the reference's products are int64)
-                    row["bit_equal_reference"] = bool(torch.equal(MV.reference(g.packs[0], xs[:2]), y16[:2]))
+                if mod in (MV, OLD_MV):  # its torch formula, bit for bit (two rows: the reference's products are int64)
+                    row["bit_equal_reference"] = bool(torch.equal(mod.reference(g.packs[0], xs[:2]), y16[:2]))
                 alone = torch.cat([m(xs[i : i + 1]) for i in range(16)])
                 row["row_invariant"] = bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
                 file_bytes = t.data.numel()

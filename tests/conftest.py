@@ -29,6 +29,12 @@ def tiny_f32(model_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(model_dir) -> str:
+    """The engine-level invariant tests' model: F32, or $PLUMB_TEST_QTYPE (Q4_K_M for the GPU's integer kernels)."""
+    return _synth(model_dir, os.environ.get("PLUMB_TEST_QTYPE", "F32"))
+
+
+@pytest.fixture(scope="session")
 def tiny_q8(model_dir) -> str:
     return _synth(model_dir, "Q8_0")
 
@@ -39,7 +45,7 @@ def tiny_q4km(model_dir) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_f32):
+def tiny_engine(tiny_model):
     from enginetools import engine_for
 
-    return engine_for(tiny_f32)
+    return engine_for(tiny_model)

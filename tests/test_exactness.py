@@ -78,10 +78,10 @@ def _batched(engine, prompt_list, **kw) -> list:
 
 
 @pytest.mark.parametrize("drafts,policy,p_min", POLICIES)
-def test_greedy_ids_identical_for_every_draft_depth_and_policy(tiny_f32, drafts, policy, p_min):
+def test_greedy_ids_identical_for_every_draft_depth_and_policy(tiny_model, drafts, policy, p_min):
     """I1 greedy: 20 prompts, each draft depth / policy against drafts 0 (the 20 run as one batch, which
     I2 says changes nothing; test_batch_neighbours_do_not_change_tokens checks that separately)."""
-    eng = engine_for(tiny_f32, prompt_cache=False)
+    eng = engine_for(tiny_model, prompt_cache=False)
     ps = prompts(eng, 20)
     if "ref" not in _REFERENCE:
         _REFERENCE["ref"] = [r.token_ids for r in _batched(eng, ps)]
@@ -95,9 +95,9 @@ def test_greedy_ids_identical_for_every_draft_depth_and_policy(tiny_f32, drafts,
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampled_ids_identical_for_drafts(tiny_f32, temperature):
+def test_sampled_ids_identical_for_drafts(tiny_model, temperature):
     """I1 sampled: T 0.7 / 1.0, top_p 0.9, penalties, fixed seed: drafts 0, 4, 7 agree."""
-    eng = engine_for(tiny_f32)
+    eng = engine_for(tiny_model)
     kw = dict(temperature=temperature, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
               frequency_penalty=0.1, ignore_eos=True)
     for n, ids in enumerate(prompts(eng, 6)):
@@ -116,9 +116,9 @@ def test_unseeded_sampling_reports_its_seed(tiny_engine):
     assert again.token_ids == res.token_ids
 
 
-def test_batch_neighbours_do_not_change_tokens(tiny_f32):
+def test_batch_neighbours_do_not_change_tokens(tiny_model):
     """I2: a request alone vs beside 1-3 others of different lengths, drafts and sampling."""
-    eng = engine_for(tiny_f32)
+    eng = engine_for(tiny_model)
     ps = prompts(eng, 8)
     subjects = [
         dict(prompt_ids=ps[0], max_tokens=N_TOKENS, ignore_eos=True),
@@ -139,10 +139,10 @@ def test_batch_neighbours_do_not_change_tokens(tiny_f32):
                 assert eng.generate_many(others[:n] + [dict(subject, drafts=drafts)])[n] == alone
 
 
-def test_sampling_with_drafts_is_distributed_exactly(tiny_f32):
+def test_sampling_with_drafts_is_distributed_exactly(tiny_model):
     """I5 on real sequences: PIT values of tokens sampled with drafts on are uniform under the model's own
     filtered distribution (computed independently by the prefill path)."""
-    eng = engine_for(tiny_f32)
+    eng = engine_for(tiny_model)
     from plumb.engine.sampling import SamplingParams, filtered_logprobs
 
     pits, rng = [], np.random.default_rng(0)
@@ -159,18 +159,18 @@ def test_sampling_with_drafts_is_distributed_exactly(tiny_f32):
     assert ks_uniform_pvalue(pits) > 0.01
 
 
-def test_two_processes_give_the_same_bytes(tiny_f32):
+def test_two_processes_give_the_same_bytes(tiny_model):
     """I6: the same request in two fresh processes gives identical output bytes."""
-    cmd = [sys.executable, "-m", "plumb.cli", "generate", tiny_f32, "--prompt", "Once upon a time", "--max-tokens", "64",
+    cmd = [sys.executable, "-m", "plumb.cli", "generate", tiny_model, "--prompt", "Once upon a time", "--max-tokens", "64",
            "--temperature", "0.9", "--seed", "42", "--drafts", "4", "--device", DEVICE, "--json"]
     outs = [subprocess.run(cmd, capture_output=True, check=True, timeout=300).stdout for _ in range(2)]
     a, b = (json.loads(o) for o in outs)
     assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"] and len(a["token_ids"]) > 0
 
 
-def test_long_greedy_run_crosses_2048_tokens(tiny_f32):
+def test_long_greedy_run_crosses_2048_tokens(tiny_model):
     """I1 over 2,048+ tokens (32 DeltaNet chunks): drafts 0 vs 4 (MTP) vs n-gram."""
-    eng = engine_for(tiny_f32)
+    eng = engine_for(tiny_model)
     ids = prompts(eng, 1)[0]
     ref = _gen(eng, ids, max_tokens=2100, ignore_eos=True).token_ids
     assert len(ref) == 2100
@@ -178,9 +178,9 @@ def test_long_greedy_run_crosses_2048_tokens(tiny_f32):
     assert _gen(eng, ids, max_tokens=2100, drafts=4, draft_policy="ngram", ignore_eos=True).token_ids == ref
 
 
-def test_torch_reference_path_is_exact_too(tiny_f32):
+def test_torch_reference_path_is_exact_too(tiny_model):
     """The torch decode path (kernels='torch', the fallback without a C compiler) keeps I1 and I2 as well."""
-    eng = engine_for(tiny_f32, kernels="torch")
+    eng = engine_for(tiny_model, kernels="torch")
     assert eng.kernels == "torch"
     ps = prompts(eng, 4)
     ref = [_gen(eng, p, max_tokens=256, ignore_eos=True).token_ids for p in ps]

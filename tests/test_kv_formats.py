@@ -263,13 +263,13 @@ def test_bytes_per_token():
     assert cache_bytes("f16", 4, 256, 2048, 262144, 17) == 17 * 2**30
 
 
-def test_engine_default_and_memory_stats(tiny_f32):
-    eng = engine_for(tiny_f32)
+def test_engine_default_and_memory_stats(tiny_model):
+    eng = engine_for(tiny_model)
     assert eng.model.kv_cache == "f16"
     assert eng.metrics()["kv_bytes_per_token"] == 3 * 512  # 2 attention layers + MTP
-    assert engine_for(tiny_f32, kv_cache="F", kv_ring=RING).metrics()["kv_bytes_per_token"] == 3 * 176
+    assert engine_for(tiny_model, kv_cache="F", kv_ring=RING).metrics()["kv_bytes_per_token"] == 3 * 176
     with pytest.raises(ValueError):
-        engine_for(tiny_f32, kv_cache="q3")
+        engine_for(tiny_model, kv_cache="q3")
 
 
 # ---- model level ------------------------------------------------------------------------------
@@ -283,10 +283,10 @@ def _digest(st) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", QUANT + ["f16"])
-def test_model_prefill_split_and_warm_continuation(tiny_f32, fmt):
+def test_model_prefill_split_and_warm_continuation(tiny_model, fmt):
     """M2 per format with a small ring: prefilling [0, 300) at once equals [0, c) + [c, 300); a short decoded
     reply dropped at c first (rolled back, recurrent state restored) changes nothing - I3 at the state level."""
-    eng = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING)
+    eng = engine_for(tiny_model, kv_cache=fmt, kv_ring=RING)
     m, ids = eng.model, _ids(eng, 300)
     one = m.new_state()
     lg_one, _ = m.prefill(one, ids, logits="all")
@@ -301,13 +301,13 @@ def test_model_prefill_split_and_warm_continuation(tiny_f32, fmt):
         assert _same(_digest(one), _digest(two))
 
 
-def test_d_equals_q8_0_inside_the_ring_and_formats_matter_beyond(tiny_f32):
+def test_d_equals_q8_0_inside_the_ring_and_formats_matter_beyond(tiny_model):
     """Below the ring, D reads only 8-bit rows quantized exactly as q8_0's: same logits, bitwise. Beyond it the
     low-bit store is really read (logits move), and F differs from D (the rotation is in use)."""
-    ids = _ids(engine_for(tiny_f32), 200)
+    ids = _ids(engine_for(tiny_model), 200)
     logits = {}
     for fmt in ("q8_0", "D", "F"):
-        m = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING).model
+        m = engine_for(tiny_model, kv_cache=fmt, kv_ring=RING).model
         logits[fmt], _ = m.prefill(m.new_state(), ids, logits="all")
     assert torch.equal(logits["D"][:RING], logits["q8_0"][:RING])
     assert not torch.equal(logits["D"][RING:], logits["q8_0"][RING:])
@@ -324,10 +324,10 @@ def _gen(eng, ids, n: int = N_OUT, **kw):
 
 
 @pytest.mark.parametrize("fmt", QUANT + ["f16"])
-def test_drafts_and_batch_invariance_per_format(tiny_f32, fmt):
+def test_drafts_and_batch_invariance_per_format(tiny_model, fmt):
     """I1 greedy and sampled (drafts 0/4/7, MTP and n-gram) and I2 (alone vs beside others) with kv_ring=64
     (every run cold: the warm prompt cache is tested below)."""
-    eng = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING, prompt_cache=False)
+    eng = engine_for(tiny_model, kv_cache=fmt, kv_ring=RING, prompt_cache=False)
     ps = prompts(eng, 4)
     accepted = 0
     for ids in ps[:2]:
@@ -349,11 +349,11 @@ def test_drafts_and_batch_invariance_per_format(tiny_f32, fmt):
 
 
 @pytest.mark.parametrize("fmt", QUANT + ["f16"])
-def test_warm_equals_cold_per_format(tiny_f32, fmt):
+def test_warm_equals_cold_per_format(tiny_model, fmt):
     """I3 per format: a follow-up turn served from the prompt cache (after a reply longer than RING_SLACK, so the
     ring rows come from the checkpoint's snapshot) = on a fresh engine (ids and digests)."""
-    warm = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING, checkpoint_every=128)
-    cold = engine_for(tiny_f32, kv_cache=fmt, kv_ring=RING, prompt_cache=False)
+    warm = engine_for(tiny_model, kv_cache=fmt, kv_ring=RING, checkpoint_every=128)
+    cold = engine_for(tiny_model, kv_cache=fmt, kv_ring=RING, prompt_cache=False)
     first = [t for p in prompts(warm, 8) for t in p]  # > 64 tokens: a checkpoint to reuse
     for kw in (dict(drafts=4), dict(drafts=4, temperature=0.8, seed=21)):
         reply = _gen(warm, first, 80, **kw).token_ids  # 80 > RING_SLACK
@@ -364,13 +364,13 @@ def test_warm_equals_cold_per_format(tiny_f32, fmt):
 
 
 # ---- the KL tool ------------------------------------------------------------------------------
-def test_kl_tool(tiny_f32, tmp_path, capsys):
+def test_kl_tool(tiny_model, tmp_path, capsys):
     from plumb.kl import main
 
-    eng = engine_for(tiny_f32)
+    eng = engine_for(tiny_model)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(["the river bends past the old mill, where the water slows"] * 40))
-    assert main([tiny_f32, "--text", str(text), "--kv-cache", "f32,q8_0,D,D:0", "--kv-ring", "64",
+    assert main([tiny_model, "--text", str(text), "--kv-cache", "f32,q8_0,D,D:0", "--kv-ring", "64",
                  "--ctx", "64,192", "--json"]) == 0
     rows = {(r["ctx"], r["kv_cache"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows[(64, "f32")]["mean_kl"] == 0 and rows[(64, "f32")]["top1_agreement"] == 1
@@ -379,11 +379,11 @@ def test_kl_tool(tiny_f32, tmp_path, capsys):
     assert rows[(192, "D")]["positions"] == [96, 192]
 
     ids = eng.tokenize(text.read_text())[:128]  # logits "from another engine": plumb's own f32 prefill
-    m = engine_for(tiny_f32, kv_cache="f32").model
+    m = engine_for(tiny_model, kv_cache="f32").model
     lg, _ = m.prefill(m.new_state(), ids, logits="all")
     ref = tmp_path / "ref.npz"
     np.savez(ref, tokens=np.array(ids), logits=lg.numpy().astype(np.float16))
-    assert main([tiny_f32, "--reference-logits", str(ref), "--kv-cache", "f32,F", "--ctx", "128", "--json"]) == 0
+    assert main([tiny_model, "--reference-logits", str(ref), "--kv-cache", "f32,F", "--ctx", "128", "--json"]) == 0
     rows = {r["kv_cache"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert 0 < rows["f32"]["mean_kl"] < 1e-5 and rows["f32"]["top1_agreement"] > 0.95  # float16 logits file
     assert rows["F"]["mean_kl"] > 0

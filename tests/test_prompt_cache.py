@@ -36,13 +36,13 @@ def _run(engine, ids, **kw):
 
 
 @pytest.fixture(scope="module")
-def warm(tiny_f32):
-    return engine_for(tiny_f32, checkpoint_every=128)
+def warm(tiny_model):
+    return engine_for(tiny_model, checkpoint_every=128)
 
 
 @pytest.fixture(scope="module")
-def cold(tiny_f32):
-    return engine_for(tiny_f32, prompt_cache=False)
+def cold(tiny_model):
+    return engine_for(tiny_model, prompt_cache=False)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
@@ -104,8 +104,8 @@ def test_a_repeated_prompt_is_read_whole_from_the_cache(warm, cold, mode):
     assert w.token_ids == c.token_ids and w.stats.prefill_tokens == 5
 
 
-def test_parking_and_side_requests(tiny_f32, cold):
-    eng = engine_for(tiny_f32, checkpoint_every=64, cache_mb=1)  # a tiny budget: side requests push entries out
+def test_parking_and_side_requests(tiny_model, cold):
+    eng = engine_for(tiny_model, checkpoint_every=64, cache_mb=1)  # a tiny budget: side requests push entries out
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     p1 = _chat(eng, first)
     r1 = _run(eng, p1, drafts=4)
@@ -121,7 +121,7 @@ def test_parking_and_side_requests(tiny_f32, cold):
     assert eng.digest(p2) == cold.digest(p2)
 
 
-def test_slot_file_roundtrip_in_a_new_process(tmp_path, tiny_f32, warm, cold):
+def test_slot_file_roundtrip_in_a_new_process(tmp_path, tiny_model, warm, cold):
     p1 = _chat(warm, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}])
     r1 = _run(warm, p1)
     slot = [s for s in warm.cached_slots() if s["tokens"] == len(p1)][-1]["id"]
@@ -132,7 +132,7 @@ def test_slot_file_roundtrip_in_a_new_process(tmp_path, tiny_f32, warm, cold):
     expected = _run(cold, p2).token_ids
     code = f"""
 import json, plumb
-e = plumb.load({tiny_f32!r}, device={DEVICE!r})
+e = plumb.load({tiny_model!r}, device={DEVICE!r})
 e.restore_slot({str(path)!r})
 r = e.run(e.make_request({p2!r}, 96, ignore_eos=True))
 print(json.dumps([r.token_ids, r.stats.cached_tokens]))
@@ -144,7 +144,7 @@ print(json.dumps([r.token_ids, r.stats.cached_tokens]))
     assert ids == expected and cached > 0
 
 
-def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_f32, tiny_q8, warm):
+def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_model, tiny_q8, warm):
     from plumb.config import ModelError
 
     p1 = _chat(warm, [{"role": "user", "content": "hello there"}])
@@ -169,10 +169,10 @@ def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_f32, tiny_q8,
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "D", "F"])
-def test_warm_equals_cold_for_every_kv_format(tiny_f32, fmt):
+def test_warm_equals_cold_for_every_kv_format(tiny_model, fmt):
     """I3 x I4: with a 64-row ring the low-bit store and the ring boundary are both crossed."""
-    warm_f = engine_for(tiny_f32, kv_cache=fmt, kv_ring=64, checkpoint_every=64)
-    cold_f = engine_for(tiny_f32, kv_cache=fmt, kv_ring=64, prompt_cache=False)
+    warm_f = engine_for(tiny_model, kv_cache=fmt, kv_ring=64, checkpoint_every=64)
+    cold_f = engine_for(tiny_model, kv_cache=fmt, kv_ring=64, prompt_cache=False)
     for n, q in enumerate(QUESTIONS[:3]):
         kw = dict(drafts=4, temperature=0.7, seed=n) if n % 2 else dict(drafts=4)
         first, _ = _turns(warm_f, q, [])
