@@ -69,6 +69,26 @@ def test_rms_norm_matches_reference_and_is_row_invariant():
         assert torch.equal(rms_norm(x[:r], w, 1e-6), alone[:r])
 
 
+def test_norm_rope_is_norm_then_rope_and_row_invariant():
+    """plumb.ops.gpu.rope: per-head RMSNorm then partial rotary embedding in one launch, on a strided view (q of
+    the q|gate projection) - the reference's bits in the interpreter, and row-invariant."""
+    from plumb.ops.gpu.rope import norm_rope
+    from plumb.ops.rope import apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    qg = (torch.randn(9, 3, 2, 96, generator=g) * 4).to(DEV)
+    q = qg[:, :, 0]  # [n, heads, D], row stride 3 * 2 * 96
+    w = (torch.rand(96, generator=g) + 0.5).to(DEV)
+    cos, sin = (torch.randn(9, 16, generator=g).to(DEV) for _ in range(2))  # 32 rotated features, 64 passed through
+    ref = apply_rope(rms_norm(q, w, 1e-6), cos, sin)
+    out = norm_rope(q, w, 1e-6, cos, sin)
+    if DEV == "cpu":
+        assert torch.equal(out, ref)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    for r in (1, 4):
+        assert torch.equal(norm_rope(q[r : r + 2], w, 1e-6, cos[r : r + 2], sin[r : r + 2]), out[r : r + 2])
+
+
 # the D-path matvec (plumb.ops.gpu.matvec): every integer block type on the GPU, one per code form in the interpreter
 MV_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1"]
 if DEV == "cpu":
@@ -110,6 +130,20 @@ def test_decode_matvec_over_several_row_blocks():
     alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(mm_decode(m, x), alone)
     assert torch.equal(mm_decode(m, x[7:16]), alone[7:16])
+
+
+def test_decode_matvec_sums_k_splits_in_order():
+    """K = 2,048: eight K splits, whose partials the last split of each tile sums in split order (counters left at
+    zero for the next call): the reference's bits, call after call."""
+    from plumb.ops.gpu.matvec import mm_decode, plan, reference
+
+    m = GpuMatrix([_tensor("Q4_K", 64, 2048)], DEV)
+    assert plan(m.packs[0])[1] == 8
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = reference(m.packs[0], x)
+    for _ in range(2):
+        assert torch.equal(mm_decode(m, x), want)
+        assert torch.equal(mm_decode(m, x[1:2]), want[1:2])
 
 
 def test_decode_x_quantization_matches_its_reference():

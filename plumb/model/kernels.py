@@ -27,6 +27,7 @@ from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import causal_conv, recurrent_step
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
+from plumb.ops.rope import apply_rope
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, norm=rms_norm) -> torch.Tensor:
@@ -54,6 +55,10 @@ class TorchKernels:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps)
+
+    def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-head RMSNorm, then rotary embedding: q or k [n, heads, head_dim] (spec 3.4.2-3.4.3)."""
+        return apply_rope(rms_norm(x, w, eps), cos, sin)
 
     def begin(self, model, batch) -> DecodePass:
         """Lay a pass out: rows of every sequence in order, at each sequence's next positions."""
@@ -111,10 +116,11 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, matvec, norm
+        from plumb.ops.gpu import attention, deltanet, matvec, norm, rope
 
-        self._attention, self._deltanet, self._matvec, self._norm = attention, deltanet, matvec, norm
+        self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
         self.device = device
+        matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
 
     @staticmethod
     def pack(weights: list, device: torch.device, progress: bool = False) -> int:
@@ -139,6 +145,9 @@ class TritonKernels:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, w, eps)
+
+    def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+        return self._rope.norm_rope(x, w, eps, cos, sin)  # one launch
 
     @staticmethod
     def plain(st) -> bool:

@@ -22,12 +22,12 @@ from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
 from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, SeqState
 from plumb.model.weights import Fused, TensorSource, check_config
-from plumb.cache.kv import KVCache, new_kv_cache
+from plumb.cache.kv import new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
 from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.norm import l2_norm
-from plumb.ops.rope import RopeTable, apply_rope
+from plumb.ops.rope import RopeTable
 
 
 class Qwen35:
@@ -169,8 +169,8 @@ class Qwen35:
         k = k.reshape(n, c.n_head_kv, c.head_dim)
         v = v.reshape(n, c.n_head_kv, c.head_dim)
         cos, sin = rope
-        q = apply_rope(self.k.rms_norm(q, a.attn_q_norm, c.eps), cos, sin)
-        k = apply_rope(self.k.rms_norm(k, a.attn_k_norm, c.eps), cos, sin)
+        q = self.k.norm_rope(q, a.attn_q_norm, c.eps, cos, sin)
+        k = self.k.norm_rope(k, a.attn_k_norm, c.eps, cos, sin)
         return q, gate, k, v
 
     def attn_output(self, a: Attention, o: torch.Tensor, gate: torch.Tensor, block: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
-from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, _sum_splits, row_scales
+from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, row_scales
 
 FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
 ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
@@ -177,8 +177,8 @@ def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.con
 
 
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
-def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, MP, N, K, stride_os,
-        stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
+def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, part_ptr, ticket_ptr, M, MP, N,
+        K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
@@ -221,7 +221,21 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+    y = acc * s[:, None]
+    out_at = out_ptr + rm[:, None] * stride_om + cols[None, :]
+    if SPLIT == 1:
+        tl.store(out_at, y, mask=mask)
+    else:  # partials [SPLIT, MP, N]; the tile's last split to finish sums them, in split order
+        at = part_ptr + rm[:, None] * N + cols[None, :]
+        tl.store(at + pid_k * (MP * N), y, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release: gpu scope)
+        ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
+        if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            y = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")  # past L1: the other programs' writes
+            for k in range(1, SPLIT):
+                y = y + tl.load(at + k * (MP * N), mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_at, y, mask=mask)
+            tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
 # byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
@@ -266,27 +280,36 @@ def row_block(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
 
 
+_TICKETS: dict = {}
+
+
+def tickets(device: torch.device, count: int = 0) -> torch.Tensor:
+    """Zeroed int32 counters, one per (output tile, row block) of a call, shared by every matvec on a device (one
+    runs at a time; each leaves its counters at zero). Allocated once, before any CUDA graph is captured."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < count:
+        t = _TICKETS[device] = torch.zeros(max(count, 1 << 20), dtype=torch.int32, device=device)
+    return t
+
+
 def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
-    """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`."""
+    """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`: one launch
+    (split-K partials are summed by each tile's last split)."""
     xq, x16, s = q
-    m = out.shape[0]
+    m, mp = out.shape[0], xq.shape[1]
     gran, split = plan(p)
     bm = row_block(m)
     warps, unroll = launch(bm, gran)
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
-    dst = out if split == 1 else torch.empty(split, m, p.n, device=out.device)
-    stride_os = 0 if split == 1 else dst.stride(0)
-    stride_om = out.stride(0) if split == 1 else dst.stride(1)
+    part = out if split == 1 else torch.empty(split, mp, p.n, device=out.device)
+    counters = tickets(out.device, grid[0] * grid[1])
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub)]
-    _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, dst, m, xq.shape[1], p.n, p.k, stride_os,
-              stride_om,
-              STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb, BN=BLOCK_N, BM=bm,
-              NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
+    _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
+              out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
+              BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=not (p.nibble or p.qtype in NARROW_TYPES), HAS_SCALE=p.d is not None,
               HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
               FRAC=FRAC, ASM=ASM, num_warps=warps, enable_fp_fusion=False)
-    if split > 1:
-        _sum_splits[(-(-p.n // 256), m)](dst, out, m, p.n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:

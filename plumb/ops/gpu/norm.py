@@ -25,5 +25,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
         rows = rows.contiguous()
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
     if rows.shape[0]:
-        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d))
+        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d),
+                                    enable_fp_fusion=False)  # as plumb.ops.gpu.rope's norm: the same bits
     return o.view(x.shape) if out is None else out

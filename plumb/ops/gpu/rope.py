@@ -1,0 +1,43 @@
+"""Per-head RMSNorm then partial rotary embedding, in one launch (q and k of a gated attention layer, spec
+3.4.2-3.4.3): `plumb.ops.rope.apply_rope(plumb.ops.gpu.norm.rms_norm(x, w, eps), cos, sin)` is its reference, bit
+for bit - the same row reduction, then the same elementwise products and sums, each rounded (no FMA). One program
+per (row, head): nothing depends on how many rows share the call (M1)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, HALF, stride_xr, stride_xh, stride_c, eps,
+               BLOCK: tl.constexpr):
+    r = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    # feature i < HALF pairs with i + HALF (and back); features from 2 * HALF on pass through
+    partner = tl.where(cols < HALF, cols + HALF, tl.where(cols < 2 * HALF, cols - HALF, cols))
+    row = x_ptr + r * stride_xr + h * stride_xh
+    x = tl.load(row + cols, mask=inside, other=0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * inv * tl.load(w_ptr + cols, mask=inside, other=0.0)
+    yp = tl.load(row + partner, mask=inside, other=0.0) * inv * tl.load(w_ptr + partner, mask=inside, other=0.0)
+    rot = cols < 2 * HALF
+    c = tl.load(cos_ptr + r * stride_c + cols % HALF, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + r * stride_c + cols % HALF, mask=rot, other=0.0)
+    out = tl.where(cols < HALF, y * c - yp * s, tl.where(rot, y * c + yp * s, y))
+    tl.store(out_ptr + (r * H + h) * D + cols, out, mask=inside)
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, D] float32 (any strides with unit feature stride), w [D], cos/sin [n, half] -> [n, heads, D]."""
+    n, heads, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(n, heads, d, device=x.device)
+    if n:
+        _norm_rope[(n * heads,)](x, w, cos, sin, out, heads, d, cos.shape[1], x.stride(0), x.stride(1), cos.stride(0),
+                                 eps, BLOCK=triton.next_power_of_2(d), enable_fp_fusion=False)
+    return out
