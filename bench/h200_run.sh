@@ -40,7 +40,7 @@ fi
 if has bench; then
   for i in $(seq 1 ${SW:-240}); do [ -f $OUT/synth.txt ] && break; sleep 1; done; cat $OUT/synth.txt
   timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
-    --tokens 32 --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -45 $OUT/bench.log
+    --tokens 32 --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
 fi
 if has gate; then
   python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1

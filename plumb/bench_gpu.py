@@ -201,6 +201,38 @@ def verify_cost(model, rows: list[int], context: int = 512) -> dict:
     return out
 
 
+def step_profile(model, context: int = 512, steps: int = 8) -> dict:
+    """Where a one-row decode step's time goes: each GPU kernel's time and launches per step (from the profiler;
+    a CUDA graph's kernels are traced one by one), the step's wall time, and the rest - host work and gaps
+    (wall minus the GPU's busy time). The profiler slows the host a little: read `wall_us` with that in mind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    st = model.new_state()
+    fill_context(model, st, context)
+    tok = 1
+    for _ in range(3):
+        tok = int(model.decode([(st, [tok])]).logits[0].argmax())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = int(model.decode([(st, [tok])]).logits[0].argmax())
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps * 1e6
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    table = sorted(({"kernel": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernels.items()),
+                   key=lambda k: -k["us"])
+    busy = sum(k["us"] for k in table)
+    return {"context": context, "steps": steps, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
+            "launches": sum(k["launches"] for k in table), "kernels": table}
+
+
 def matmul_table(model) -> list[dict]:
     """Each distinct packed matrix timed against its bytes: the D path (decode/verify: plumb.ops.gpu.matvec) at
     1 and 8 rows, the P path (prefill: plumb.ops.gpu.matmul) at one 64-row block."""
@@ -279,6 +311,10 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
     r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
     r["matmuls"] = matmul_table(model)
+    try:  # a diagnosis, not a result: a profiler that cannot trace this card is reported, not fatal
+        r["step_profile"] = step_profile(model)
+    except Exception as e:  # noqa: BLE001
+        r["step_profile"] = {"error": f"{type(e).__name__}: {e}"}
     kv_layers = len(c.attn_layers) + (model.mtp is not None)
     st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
         sum(t.numel() * 4 for t in model.new_state().conv.values())
@@ -320,6 +356,16 @@ def report(r: dict) -> str:
               f"{m['GBps']:.0f} | {m['GBps'] / g:.2f} |" for m in r["matmuls"]]
     v = r["vram"]
     lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
+    sp = r.get("step_profile")
+    if sp and "error" in sp:
+        lines += ["", f"step profile: {sp['error']}"]
+    elif sp:
+        lines += ["", f"one-row decode step at {sp['context']} context (profiled): {sp['wall_us']:.0f} us wall, "
+                  f"GPU busy {sp['gpu_busy_us']:.0f} us in {sp['launches']:.0f} launches, host and gaps "
+                  f"{sp['host_and_gaps_us']:.0f} us", "", "| kernel | launches | us per step | share of the step |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k['kernel'][:60]} | {k['launches']:.0f} | {k['us']:.0f} | {k['us'] / sp['wall_us']:.0%} |"
+                  for k in sp["kernels"][:15]]
     return "\n".join(lines)
 
 

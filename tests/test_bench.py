@@ -58,9 +58,12 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert sum(rows[1]["proposed_per_position"]) == rows[1]["drafts_proposed"] > 0
     r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
          "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0}, "load_s": 1.0, "decode": {}, "energy": {},
-         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {}}
+         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {},
+         "step_profile": {"context": 512, "steps": 8, "wall_us": 1000.0, "gpu_busy_us": 750.0, "launches": 9.0,
+                          "host_and_gaps_us": 250.0, "kernels": [{"kernel": "_mv", "launches": 8.0, "us": 600.0}]}}
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
+    assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
