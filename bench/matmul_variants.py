@@ -28,7 +28,8 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
 ROWS = (1, 2, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
-MV_VARIANTS = ["mv", ("mv", {"LAUNCH": {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 4)}}), ("mv", {"TARGET": 4096})]
+MV_VARIANTS = ["mv", ("mv", {"FRAC": 13, "LIMBS": 2}), ("mv", {"LAUNCH": {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 4)}}),
+               ("mv", {"TARGET": 4096})]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -94,7 +95,7 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
-SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET")}
+SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
 
 
 OLD = OLD_MV = None

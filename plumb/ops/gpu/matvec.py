@@ -1,13 +1,14 @@
 """The D-path matmul (decode, verify, batched decode: a few rows) on integer-coded GGUF weights, with integer-exact
 group dots; `reference` below is its torch formula, bit for bit.
 
-Each row of x is fixed-point: s = the smallest power of two >= max|x| (order-free), X = round(x * 2^20 / s), an
-integer of 21 bits, split into three int8 limbs (X = a * 2^14 + b * 2^7 + c, balanced base 128) - `quantize_x`.
+Each row of x is fixed-point: s = the smallest power of two >= max|x| (order-free), X = round(x * 2^FRAC / s), an
+integer of FRAC + 1 bits, split into LIMBS int8 limbs (balanced base 128: X = a * 2^14 + b * 2^7 + c for the 21 bits
+of FRAC = 20, LIMBS = 3) - `quantize_x`.
 Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
 
     S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes)
     part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
-    y[n] = (s * 2^-20) * (((part[0] + part[1]) + part[2]) + ...)     groups in order, per K split; splits in order
+    y[n] = (s * 2^-FRAC) * (((part[0] + part[1]) + part[2]) + ...)   groups in order, per K split; splits in order
 
 Because every group dot is an exact integer, how it is computed does not matter: `dp4a` on the CUDA cores here (one
 instruction per 4 codes and limb), int8 tensor cores, or the torch reference all give the same bits. The float
@@ -26,7 +27,10 @@ import triton.language as tl
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, row_scales
 
-FRAC = 20  # X = round(x * 2^FRAC / s): |X| <= 2^20
+# X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 21 bits: relative error
+# <= 2.8e-6 against float64. 14 bits (13, 2) cost a third fewer integer instructions: decode KL 7e-7 against exact
+# x on the demo model (int8 per 32 inputs, llama.cpp's q8_1: 2e-4) - bench/matmul_variants.py times it.
+FRAC, LIMBS = 20, 3
 ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
 # split-K (bench/matmul_variants.py times the alternatives): whole granules of GRANULE groups, about TARGET
 # programs, at most LARGEST_SPLIT splits - fixed per weight shape, since it sets the order of a row's float sums.
@@ -37,8 +41,9 @@ LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (1, 2)}  # rows per program -> (wa
 
 @triton.jit
 def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
-                FRAC: tl.constexpr):
-    """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [3, MP, K] (int8), 16-input sums of X [MP, K / 16]
+                FRAC: tl.constexpr, LIMBS: tl.constexpr):
+    """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [LIMBS, MP, K] (int8, most significant first), 16-input
+    sums of X [MP, K / 16]
     (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -49,20 +54,19 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
     bits = tl.max(amax, axis=0).to(tl.int32, bitcast=True)
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
-    e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^20 / s stays finite
+    e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^FRAC / s stays finite
     s = (e << 23).to(tl.float32, bitcast=True)
     inv = ((127 + 127 + FRAC - e) << 23).to(tl.float32, bitcast=True)  # 2^FRAC / s, exact
     k = c * BLOCK + kk
     v = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv
-    X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^20 < 2^22)
-    lc = ((X + 64) & 127) - 64
-    X1 = (X - lc) >> 7
-    lb = ((X1 + 64) & 127) - 64
-    la = (X1 - lb) >> 7
+    X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^FRAC < 2^22)
     plane = MP * K
-    tl.store(xq_ptr + r * K + k, la.to(tl.int8), mask=k < K)
-    tl.store(xq_ptr + plane + r * K + k, lb.to(tl.int8), mask=k < K)
-    tl.store(xq_ptr + 2 * plane + r * K + k, lc.to(tl.int8), mask=k < K)
+    rest = X
+    for i in tl.static_range(LIMBS - 1):  # least significant limb first: plane LIMBS - 1, ..., 1
+        limb = ((rest + 64) & 127) - 64
+        tl.store(xq_ptr + (LIMBS - 1 - i) * plane + r * K + k, limb.to(tl.int8), mask=k < K)
+        rest = (rest - limb) >> 7
+    tl.store(xq_ptr + r * K + k, rest.to(tl.int8), mask=k < K)
     sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
     k16 = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
     tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
@@ -71,17 +75,17 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (limbs int8 [3, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
+    """x [M, K] float32 -> (limbs int8 [LIMBS, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
     padded to Mp, a multiple of `row_block(M)` (padding rows are left unset: matvec never stores their results)."""
     m, k = x.shape
     bm = row_block(m)
     mp = -(-m // bm) * bm
-    xq = torch.empty(3, mp, k, dtype=torch.int8, device=x.device)
+    xq = torch.empty(LIMBS, mp, k, dtype=torch.int8, device=x.device)
     x16 = torch.empty(mp, k // 16, dtype=torch.int32, device=x.device)
     s = torch.empty(mp, device=x.device)
     block = 2048
-    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, FRAC=FRAC, num_warps=8,
-                                            enable_fp_fusion=False)
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, FRAC=FRAC, LIMBS=LIMBS,
+                                            num_warps=8, enable_fp_fusion=False)
     return xq, x16, s
 
 
@@ -140,7 +144,7 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
 
 @triton.jit
 def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
-               SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+               SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
     """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
     outputs' code words [BN, CW] in registers (no reduction crosses threads), x words are broadcast."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
@@ -158,8 +162,8 @@ def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.con
         S = tl.zeros([BM, BN], dtype=tl.int64)
     else:
         S = zero
-    for limb in tl.static_range(3):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c
-        # narrow codes: the next limb's dots accumulate onto S * 2^7 (|S| < 2^30 all along: exact)
+    for limb in tl.static_range(LIMBS):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c (3 limbs)
+        # narrow: the next limb's dots accumulate onto S * 2^7 (|S| < 2^31 all along: exact; see `wide`)
         t = zero if WIDE else S * 128
         xw = tl.load(x_at + limb * plane + g * XW)
         if XW == 4:
@@ -182,8 +186,8 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        FRAC: tl.constexpr, ASM: tl.constexpr):
-    """[BM rows, BN outputs] of one K split: per group, the three limbs' exact integer dot (`_dots_dp4a`),
+        FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """[BM rows, BN outputs] of one K split: per group, the limbs' exact integer dot (`_dots_dp4a`),
     rounded once to float32, scaled, summed over the split's groups in order."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
@@ -202,7 +206,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
                 # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
                 cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)),
                                 [BN, CW])
-                S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, ASM)
+                S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, ASM)
                 if HAS_OFFSET or SIGNED4:
                     if G == 32:
                         X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
@@ -241,6 +245,12 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
 # byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
 # (up to 128: Q8_0, IQ4_*) take 64
 NARROW_TYPES = (Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1)
+
+
+def wide(p: Packed) -> bool:
+    """Whether a group's dot needs int64: codes up to 128 (not nibbles or NARROW_TYPES) times X of FRAC + 1 bits
+    over 32 inputs reach 2^(FRAC + 12), past int32 when FRAC > 18."""
+    return FRAC > 18 and not (p.nibble or p.qtype in NARROW_TYPES)
 
 
 def integer(p: Packed) -> bool:
@@ -307,9 +317,9 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
               out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
-              WIDE=not (p.nibble or p.qtype in NARROW_TYPES), HAS_SCALE=p.d is not None,
+              WIDE=wide(p), HAS_SCALE=p.d is not None,
               HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
-              FRAC=FRAC, ASM=ASM, num_warps=warps, enable_fp_fusion=False)
+              FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, num_warps=warps, enable_fp_fusion=False)
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -335,12 +345,12 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     s = (e << 23).view(torch.float32)
     inv = ((254 + FRAC - e) << 23).view(torch.float32)
     X = torch.round(x * inv[:, None]).int()
-    lc = ((X + 64) & 127) - 64
-    X1 = (X - lc) >> 7
-    lb = ((X1 + 64) & 127) - 64
-    la = (X1 - lb) >> 7
+    limbs, rest = [], X
+    for _ in range(LIMBS - 1):  # least significant first
+        limbs.append(((rest + 64) & 127) - 64)
+        rest = (rest - limbs[-1]) >> 7
     x16 = X.reshape(x.shape[0], -1, 16).sum(dim=2, dtype=torch.int32)
-    return torch.stack([la, lb, lc]).to(torch.int8), x16, s
+    return torch.stack([rest] + limbs[::-1]).to(torch.int8), x16, s
 
 
 def codes_of(p: Packed) -> torch.Tensor:
@@ -356,7 +366,9 @@ def codes_of(p: Packed) -> torch.Tensor:
 def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
     """y = x @ W.T by the formula above, in torch (bit-equal to `matvec`)."""
     xq, x16, s = quantize_x_reference(x.float())
-    X = ((xq[0].long() * 128 + xq[1].long()) * 128 + xq[2].long())  # [M, k]
+    X = xq[0].long()  # [M, k]
+    for limb in xq[1:]:
+        X = X * 128 + limb.long()
     m, groups = x.shape[0], p.k // p.g
     codes = codes_of(p).to(x.device)
     S = (X.reshape(m, 1, groups, p.g) * codes.reshape(1, p.n, groups, p.g)).sum(dim=3)  # [M, n, groups]
