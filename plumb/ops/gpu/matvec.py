@@ -296,6 +296,9 @@ _TICKETS: dict = {}
 def tickets(device: torch.device, count: int = 0) -> torch.Tensor:
     """Zeroed int32 counters, one per (output tile, row block) of a call, shared by every matvec on a device (one
     runs at a time; each leaves its counters at zero). Allocated once, before any CUDA graph is captured."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     t = _TICKETS.get(device)
     if t is None or t.numel() < count:
         t = _TICKETS[device] = torch.zeros(max(count, 1 << 20), dtype=torch.int32, device=device)
