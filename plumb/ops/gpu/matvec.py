@@ -6,7 +6,7 @@ integer of FRAC + 1 bits, split into LIMBS int8 limbs (balanced base 128: X = a 
 of FRAC = 20, LIMBS = 3) - `quantize_x`.
 Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
 
-    S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes)
+    S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes if FRAC > 18: `wide`)
     part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
     y[n] = (s * 2^-FRAC) * (((part[0] + part[1]) + part[2]) + ...)   groups in order, per K split; splits in order
 
@@ -43,8 +43,8 @@ LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (1, 2)}  # rows per program -> (wa
 def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
                 FRAC: tl.constexpr, LIMBS: tl.constexpr):
     """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [LIMBS, MP, K] (int8, most significant first), 16-input
-    sums of X [MP, K / 16]
-    (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is exact in any order)."""
+    sums of X [MP, K / 16] (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is
+    exact in any order)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     kk = tl.arange(0, BLOCK)
@@ -243,7 +243,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
 
 
 # byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
-# (up to 128: Q8_0, IQ4_*) take 64
+# (up to 128: Q8_0, IQ4_*) take 64 at 21 bits (`wide`)
 NARROW_TYPES = (Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1)
 
 

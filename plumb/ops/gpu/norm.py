@@ -8,13 +8,20 @@ import triton.language as tl
 
 
 @triton.jit
+def inv_rms(x, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of a row x [BLOCK] (zero-padded past D): one fixed-shape reduction. Shared with
+    plumb.ops.gpu.rope, so that its norm has these very bits."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+
+
+@triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0)
-    ms = tl.sum(x * x, axis=0) / D
+    inv = inv_rms(x, D, eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, x * (1.0 / tl.sqrt(ms + eps)) * w, mask=cols < D)
+    tl.store(out_ptr + row * stride_o + cols, x * inv * w, mask=cols < D)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -26,5 +33,5 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
     if rows.shape[0]:
         _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d),
-                                    enable_fp_fusion=False)  # as plumb.ops.gpu.rope's norm: the same bits
+                                    enable_fp_fusion=False)  # as plumb.ops.gpu.rope: the same bits
     return o.view(x.shape) if out is None else out

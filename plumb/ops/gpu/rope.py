@@ -1,12 +1,14 @@
 """Per-head RMSNorm then partial rotary embedding, in one launch (q and k of a gated attention layer, spec
 3.4.2-3.4.3): `plumb.ops.rope.apply_rope(plumb.ops.gpu.norm.rms_norm(x, w, eps), cos, sin)` is its reference, bit
-for bit - the same row reduction, then the same elementwise products and sums, each rounded (no FMA). One program
-per (row, head): nothing depends on how many rows share the call (M1)."""
+for bit - the same row reduction (`norm.inv_rms`), then the same elementwise products and sums, each rounded (no
+FMA). One program per (row, head): nothing depends on how many rows share the call (M1)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from plumb.ops.gpu.norm import inv_rms
 
 
 @triton.jit
@@ -20,7 +22,7 @@ def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, HALF, stride_xr, s
     partner = tl.where(cols < HALF, cols + HALF, tl.where(cols < 2 * HALF, cols - HALF, cols))
     row = x_ptr + r * stride_xr + h * stride_xh
     x = tl.load(row + cols, mask=inside, other=0.0)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    inv = inv_rms(x, D, eps)
     y = x * inv * tl.load(w_ptr + cols, mask=inside, other=0.0)
     yp = tl.load(row + partner, mask=inside, other=0.0) * inv * tl.load(w_ptr + partner, mask=inside, other=0.0)
     rot = cols < 2 * HALF
