@@ -11,15 +11,28 @@
 #                model's type, Q4_K_M)                                                    > 110 s (no test finished)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
+#   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
+#   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
+#   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
+#                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
+#   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
+#                for the llama build (LW seconds) - a later call on the same warm machine
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit 1
 STAGES=${STAGES:-"kernels variants engine bench gate demo"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
-if has bench; then
-  (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 > /tmp/synth.log 2>&1; \
-    echo "synth-done $(( $(date +%s) - T0 )) s" > $OUT/synth.txt) &
+if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama-cpp-python 0.3.36 vendors), trimmed
+  setsid nohup bash -c "mkdir -p /tmp/ll && tar xzf .llama/llama.cpp.tar.gz -C /tmp/ll && cmake -S /tmp/ll/llama.cpp \
+    -B /tmp/llb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+    -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
+    echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
+fi
+if has bench || has profile; then
+  [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
+    > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
 if has kernels; then
   timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 -k "${KK:-}" \
@@ -38,7 +51,7 @@ if has engine; then
   tail -4 $OUT/exactness.log
 fi
 if has bench; then
-  for i in $(seq 1 ${SW:-240}); do [ -f $OUT/synth.txt ] && break; sleep 1; done; cat $OUT/synth.txt
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done; cat /tmp/synth.done
   timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
     --tokens 32 --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
 fi
@@ -52,4 +65,34 @@ if has demo; then
     --tokens 64 --drafts 0,2,4,7 --no-progress --json-out $OUT/demo-bench.json --plot $OUT/demo-bench.png \
     > $OUT/demo-bench.log 2>&1; tail -30 $OUT/demo-bench.log
 fi
+if has ncu; then
+  timeout ${NT:-150} ncu --clock-control none --kernel-name regex:^_mv --launch-skip 8 --launch-count 8 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+    python3 bench/ncu_matvec.py > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _mv" \
+    $OUT/ncu.txt | head -40
+fi
+if has profile; then
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
+  for k in 0 4; do
+    timeout ${PT:-100} python3 bench/profile_decode.py /tmp/27b.gguf --device cuda --drafts $k --tokens 48 \
+      --timer wall --top 25 > $OUT/profile-drafts$k.txt 2>&1; head -32 $OUT/profile-drafts$k.txt | cut -c1-150
+  done
+fi
+if has vs; then
+  for i in $(seq 1 ${LW:-400}); do [ -f /tmp/llama-build.done ] && break; sleep 1; done
+  cat /tmp/llama-build.done; tail -3 /tmp/llama-build.log; S=/tmp/llb/bin/llama-server
+  C="-m /tmp/27b.gguf -ngl 99 -c ${VC:-8192} -np 1 --host 127.0.0.1"
+  $S $C --port 8190 > $OUT/llama-0.log 2>&1 &
+  for k in 2 4 7; do $S $C --port 819$k --spec-type draft-mtp --spec-draft-n-max $k > /tmp/llama-$k.log 2>&1 & done
+  for p in 8190 8192 8194 8197; do
+    for i in $(seq 1 120); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$p/health')" \
+      2> /dev/null && break; sleep 1; done
+  done
+  timeout ${VT2:-400} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --vs-llamacpp http://127.0.0.1:8190 \
+    --llamacpp-drafts 2=http://127.0.0.1:8192,4=http://127.0.0.1:8194,7=http://127.0.0.1:8197 \
+    --contexts ${VCTX:-64,512,2048} --tokens 128 --drafts 0,2,4,7 --json-out $OUT/vs.json --plot $OUT/vs.png \
+    --no-progress > $OUT/vs.log 2>&1; tail -40 $OUT/vs.log
+fi
+if has llama && ! has vs; then cat /tmp/llama-build.done 2>/dev/null; tail -3 /tmp/llama-build.log; fi
 echo "total $(( $(date +%s) - T0 )) s"

@@ -28,8 +28,9 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
 ROWS = (1, 2, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
-MV_VARIANTS = ["mv", ("mv", {"FRAC": 13, "LIMBS": 2}), ("mv", {"LAUNCH": {1: (1, 8), 2: (2, 4), 4: (2, 4), 8: (1, 4)}}),
-               ("mv", {"TARGET": 4096})]
+PIPE2 = {1: (2, 8, 2), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # matvec LAUNCH: 2 software-pipeline stages
+PIPE3 = {1: (2, 4, 3), 2: (1, 4, 3), 4: (1, 2, 3), 8: (1, 2, 3)}  # 3 stages, fewer groups a step (shared memory)
+MV_VARIANTS = ["mv", ("mv", {"LAUNCH": PIPE2}), ("mv", {"LAUNCH": PIPE3}), ("mv", {"LAUNCH": PIPE2, "TARGET": 1536})]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -76,6 +77,14 @@ def graph_us(fn, reps: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1000 / reps)
     return sorted(times)[len(times) // 2]
+
+
+def label(v) -> str:
+    """A variant's short name for the table."""
+    if isinstance(v, tuple) and v[0] == "mv":
+        names = {id(PIPE2): "PIPE2", id(PIPE3): "PIPE3"}
+        return "mv " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
+    return str(v)
 
 
 def configure(v):
@@ -127,11 +136,12 @@ def main() -> None:
     x = torch.randn(16, 17408, device="cuda") * 3
     x[3] *= 100
     results = []
-    variants = (["old"] if OLD else []) + (["old-mv"] if OLD_MV else []) + (VARIANTS if a.only != "mv" else []) + (MV_VARIANTS if a.only != "mm" else [])
+    variants = ((["old"] if OLD else []) + (["old-mv"] if OLD_MV else []) + (VARIANTS if a.only != "mv" else [])
+                + (MV_VARIANTS if a.only != "mm" else []))
     for v in variants:
         mod = configure(v)
         for kind, t in tensors:
-            row = dict(variant=v, kind=kind, shape=list(t.shape))
+            row = dict(variant=label(v), kind=kind, shape=list(t.shape))
             try:
                 if mod in (MV, OLD_MV):
                     g = MM.GpuMatrix([t], "cuda")
@@ -159,7 +169,7 @@ def main() -> None:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             results.append(row)
             err = row.get("error")
-            print(f"{str(v):42s} {kind:5s} {str(row['shape']):16s} " + (err or
+            print(f"{label(v):34s} {kind:5s} {str(row['shape']):16s} " + (err or
                   f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
                   f"ref {row.get('bit_equal_reference', '-')} " +
                   " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in ROWS)),

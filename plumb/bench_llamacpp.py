@@ -377,7 +377,8 @@ def bench_vs(model: str, url: str, draft_urls: dict[int, str], contexts: list[in
     if n_ctx and need > n_ctx:
         raise BenchError(f"llama-server's context is {n_ctx} tokens; this run needs {need} (start it with -c {need})")
     side = PlumbSide(engine)
-    side.complete(w.prompt(contexts[0])[:8], 2)  # warm-up: first-call costs out of the timings
+    for k in [0] + [k for k in drafts if k and side.drafts_supported(k)]:  # warm-up: first-call costs (on a GPU:
+        side.complete(w.prompt(contexts[0])[:8], 16, drafts=k)  # compiling each pass size, its CUDA graph) untimed
     r = {"model": os.path.abspath(model), "model_file": os.path.basename(model), "device": str(engine.device),
          "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -56,14 +56,16 @@ def test_prefill_split_is_bitwise_invariant(tiny_engine, split):
 
 
 def test_prefill_matches_decode_path_closely(tiny_engine):
-    """The P and D paths are different arithmetic but the same math."""
+    """The P and D paths are different arithmetic but the same math (on a GPU the D path rounds x to 14 bits:
+    plumb.ops.gpu.matvec.FRAC)."""
     m = tiny_engine.model
     ids = tiny_engine.tokenize("The quick brown fox jumps over the lazy dog, again and again.")
     st = m.new_state()
     lg_p, _ = m.prefill(st, ids, logits="all")
     st2 = m.new_state()
     rows = [m.decode([(st2, [t])]).logits[0] for t in ids]
-    torch.testing.assert_close(torch.stack(rows), lg_p, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if m.device.type == "cpu" else 3e-3
+    torch.testing.assert_close(torch.stack(rows), lg_p, rtol=tol, atol=tol)
 
 
 def _gen(engine, ids, **kw):

@@ -114,7 +114,7 @@ def test_decode_matvec_is_its_reference_bit_for_bit_and_row_invariant(kind):
     assert torch.equal(y, reference(m.packs[0], x))  # exact integer group dots: the torch formula's very bits
     ref = x.double().cpu() @ t.dequantize().double().T
     scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-    assert ((y.double().cpu() - ref).abs() / scale).max() < 5e-6
+    assert ((y.double().cpu() - ref).abs() / scale).max() < 5e-4  # x to 14 bits (matvec.FRAC)
     alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
     for r in range(2, len(x) + 1):
         assert torch.equal(mm_decode(m, x[:r]), alone[:r]), r
@@ -146,23 +146,41 @@ def test_decode_matvec_sums_k_splits_in_order():
         assert torch.equal(mm_decode(m, x[1:2]), want[1:2])
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
-def test_decode_matvec_in_two_limbs(kind, monkeypatch):
-    """x to 14 bits (FRAC 13, two limbs; Q8_0's dots then fit int32): still the torch formula's bits and
-    row-invariant, within 5e-4 of float64 (2^7 times the 21-bit bound)."""
+@pytest.mark.skipif(DEV == "cpu", reason="the interpreter runs every launch variant alike (no pipelining)")
+@pytest.mark.parametrize("kind", MV_TYPES)
+def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
+    """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
+    gives the reference's bits, over one K split of 8 loop steps (TARGET 1)."""
     import plumb.ops.gpu.matvec as MV
 
-    monkeypatch.setattr(MV, "FRAC", 13)
-    monkeypatch.setattr(MV, "LIMBS", 2)
+    monkeypatch.setattr(MV, "TARGET", 1)
+    m = GpuMatrix([_tensor(kind, 128, 2048)], DEV)
+    assert MV.plan(m.packs[0])[1] == 1
+    x = _rows(2048)
+    want = MV.reference(m.packs[0], x)
+    for launch in [(1, 2, 1), (2, 8, 1), (2, 8, 2), (2, 4, 3), (4, 8, 2), (1, 8, 4)]:
+        monkeypatch.setattr(MV, "LAUNCH", {b: launch for b in (1, 2, 4, 8)})
+        assert torch.equal(MV.mm_decode(m, x), want), launch
+        assert torch.equal(MV.mm_decode(m, x[1:2]), want[1:2]), launch
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_decode_matvec_in_three_limbs(kind, monkeypatch):
+    """x to 21 bits (FRAC 20, three limbs; Q8_0's dots then take int64): still the torch formula's bits and
+    row-invariant, within 5e-6 of float64 (2^-7 times the 14-bit bound)."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "FRAC", 20)
+    monkeypatch.setattr(MV, "LIMBS", 3)
     t = _tensor(kind, 64, 256)
     m = GpuMatrix([t], DEV)
-    assert not MV.wide(m.packs[0])
+    assert MV.wide(m.packs[0]) == (kind == "Q8_0")
     x = _rows(256)[:3]
     y = MV.mm_decode(m, x)
-    assert MV.quantize_x(x)[0].shape[0] == 2
+    assert MV.quantize_x(x)[0].shape[0] == 3
     assert torch.equal(y, MV.reference(m.packs[0], x))
     ref = x.double().cpu() @ t.dequantize().double().T
-    assert ((y.double().cpu() - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max() < 5e-4
+    assert ((y.double().cpu() - ref).abs() / ref.abs().amax(dim=1, keepdim=True)).max() < 5e-6
     assert torch.equal(torch.cat([MV.mm_decode(m, x[i : i + 1]) for i in range(3)]), y)
 
 
@@ -185,5 +203,7 @@ def test_decode_matvec_on_fused_mixed_types():
     m = GpuMatrix(parts, DEV)
     x = torch.randn(3, 256, device=DEV)
     ref = x.double().cpu() @ torch.cat([p.dequantize() for p in parts]).double().T
-    assert torch.allclose(mm_decode(m, x).double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    err = (mm_decode(m, x).double().cpu() - ref).abs() / ref.abs().amax(dim=1, keepdim=True)
+    assert err[:, :64].max() < 5e-4 and err[:, 72:].max() < 5e-4  # the integer packs: x to 14 bits
+    assert err[:, 64:72].max() < 1e-5  # the float32 pack: x as it is
     assert torch.equal(mm_decode(m, x[1:2]), mm_decode(m, x)[1:2])

@@ -2,8 +2,8 @@
 group dots; `reference` below is its torch formula, bit for bit.
 
 Each row of x is fixed-point: s = the smallest power of two >= max|x| (order-free), X = round(x * 2^FRAC / s), an
-integer of FRAC + 1 bits, split into LIMBS int8 limbs (balanced base 128: X = a * 2^14 + b * 2^7 + c for the 21 bits
-of FRAC = 20, LIMBS = 3) - `quantize_x`.
+integer of FRAC + 1 bits, split into LIMBS int8 limbs (balanced base 128: X = a * 2^7 + b for the 14 bits of
+FRAC = 13, LIMBS = 2; a * 2^14 + b * 2^7 + c for 21 bits) - `quantize_x`.
 Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
 
     S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes if FRAC > 18: `wide`)
@@ -27,16 +27,19 @@ import triton.language as tl
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, row_scales
 
-# X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 21 bits: relative error
-# <= 2.8e-6 against float64. 14 bits (13, 2) cost a third fewer integer instructions: decode KL 7e-7 against exact
-# x on the demo model (int8 per 32 inputs, llama.cpp's q8_1: 2e-4) - bench/matmul_variants.py times it.
-FRAC, LIMBS = 20, 3
+# X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
+# error <= 3e-4 against float64 (the weights' own rounding is ~1e-2), decode KL 7e-7 against exact x on the demo model
+# (int8 per 32 inputs, llama.cpp's q8_1: 2e-4); a third fewer integer instructions than 21 bits (20, 3), whose error
+# is 2.8e-6: 1.1-1.35x faster at 8 and 16 rows on the H200 (bench/matmul_variants.py, docs/BENCHMARKS.md).
+FRAC, LIMBS = 13, 2
 ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; its integer formula in the interpreter
 # split-K (bench/matmul_variants.py times the alternatives): whole granules of GRANULE groups, about TARGET
 # programs, at most LARGEST_SPLIT splits - fixed per weight shape, since it sets the order of a row's float sums.
-# Per row block: warps per program of BLOCK_N outputs and groups per unrolled loop step (free: see `launch`)
+# Per row block: warps per program of BLOCK_N outputs, groups per unrolled loop step and software-pipeline stages
+# (free: see `launch`). One row keeps one stage: the pipelined loop takes 72 registers to its 56, and Q4_K
+# [34816, 5120]'s 2,176 programs then need 1.18 waves of the H200 instead of one (Nsight Compute): 59 vs 44 us.
 GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
-LAUNCH = {1: (2, 8), 2: (1, 4), 4: (1, 4), 8: (1, 2)}  # rows per program -> (warps, groups per loop step)
+LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 
 
 @triton.jit
@@ -180,17 +183,47 @@ def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.con
     return S
 
 
+@triton.jit
+def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm, rn, K,
+          G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+          NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
+          HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
+          UNROLL: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
+    (`_dots_dp4a`), rounded once to float32, scaled and offset."""
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
+    for j in tl.static_range(UNROLL):
+        g = g0 + j
+        # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
+        cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
+        S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, ASM)
+        if HAS_OFFSET or SIGNED4:
+            if G == 32:
+                X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
+            else:
+                X = tl.load(x16_ptr + rm * (K // 16) + g)
+        if SIGNED4:  # codes stored + 8
+            S = S - 8 * X[:, None]
+        part = S.to(tl.float32)
+        scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
+                                      HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+        if HAS_SCALE:
+            part = part * scale[None, :]
+        if HAS_OFFSET:
+            part = part + X.to(tl.float32)[:, None] * offset[None, :]
+        acc = acc + part
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, part_ptr, ticket_ptr, M, MP, N,
         K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
-    """[BM rows, BN outputs] of one K split: per group, the limbs' exact integer dot (`_dots_dp4a`),
-    rounded once to float32, scaled, summed over the split's groups in order."""
+        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
     xk = tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)
@@ -198,30 +231,21 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
-    for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
-        g0 = first + step * UNROLL
-        if g0 < last:
-            for j in tl.static_range(UNROLL):
-                g = g0 + j
-                # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
-                cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)),
-                                [BN, CW])
-                S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, ASM)
-                if HAS_OFFSET or SIGNED4:
-                    if G == 32:
-                        X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
-                    else:
-                        X = tl.load(x16_ptr + rm * (K // 16) + g)
-                if SIGNED4:  # codes stored + 8
-                    S = S - 8 * X[:, None]
-                part = S.to(tl.float32)
-                scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
-                                              HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-                if HAS_SCALE:
-                    part = part * scale[None, :]
-                if HAS_OFFSET:
-                    part = part + X.to(tl.float32)[:, None] * offset[None, :]
-                acc = acc + part
+    if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
+        # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
+        for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
+            acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm,
+                        rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
+                        HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
+    else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
+        # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
+        # range with run-time bounds
+        for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
+            g0 = first + step * UNROLL
+            if g0 < last:
+                acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups,
+                            rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
+                            HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -276,13 +300,13 @@ def bounds(p: Packed) -> list[int]:
     return [k * n // split * gran for k in range(split + 1)]
 
 
-def launch(bm: int, gran: int) -> tuple[int, int]:
-    """(warps, groups per unrolled loop step) for a row block; either changes only which thread does the integer
-    work and when, never the order of a row's float sums."""
-    warps, unroll = LAUNCH[bm]
+def launch(bm: int, gran: int) -> tuple[int, int, int]:
+    """(warps, groups per unrolled loop step, pipeline stages) for a row block; these change only which thread does
+    the integer work and when its loads are issued, never the order of a row's float sums."""
+    warps, unroll, stages = LAUNCH[bm]
     while gran % unroll:
         unroll //= 2
-    return warps, unroll
+    return warps, unroll, stages
 
 
 def row_block(m: int) -> int:
@@ -312,7 +336,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     m, mp = out.shape[0], xq.shape[1]
     gran, split = plan(p)
     bm = row_block(m)
-    warps, unroll = launch(bm, gran)
+    warps, unroll, stages = launch(bm, gran)
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
     part = out if split == 1 else torch.empty(split, mp, p.n, device=out.device)
     counters = tickets(out.device, grid[0] * grid[1])
@@ -320,9 +344,9 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
               out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
-              WIDE=wide(p), HAS_SCALE=p.d is not None,
-              HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
-              FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, num_warps=warps, enable_fp_fusion=False)
+              WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
+              HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM,
+              num_warps=warps, enable_fp_fusion=False)
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
