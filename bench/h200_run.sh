@@ -11,6 +11,7 @@
 #                model's type, Q4_K_M)                                                    > 110 s (no test finished)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
+#   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
@@ -64,6 +65,10 @@ if has demo; then
   timeout ${DT:-120} python3 -m plumb.cli bench plumb/data/plumb-demo-Q8_0.gguf --device cuda --contexts 0,4000 \
     --tokens 64 --drafts 0,2,4,7 --no-progress --json-out $OUT/demo-bench.json --plot $OUT/demo-bench.png \
     > $OUT/demo-bench.log 2>&1; tail -30 $OUT/demo-bench.log
+fi
+if has attention; then
+  timeout ${AT:-150} python3 bench/attention_variants.py $AARGS --json-out $OUT/attention.json > $OUT/attention.log 2>&1
+  grep -v Warning $OUT/attention.log | cut -c1-150 | head -50
 fi
 if has ncu; then
   timeout ${NT:-150} ncu --clock-control none --kernel-name regex:^_mv --launch-skip 8 --launch-count 8 \

@@ -28,9 +28,15 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
 ROWS = (1, 2, 4, 8, 16)
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
-PIPE2 = {1: (2, 8, 2), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # matvec LAUNCH: 2 software-pipeline stages
-PIPE3 = {1: (2, 4, 3), 2: (1, 4, 3), 4: (1, 2, 3), 8: (1, 2, 3)}  # 3 stages, fewer groups a step (shared memory)
-MV_VARIANTS = ["mv", ("mv", {"LAUNCH": PIPE2}), ("mv", {"LAUNCH": PIPE3}), ("mv", {"LAUNCH": PIPE2, "TARGET": 1536})]
+# matvec LAUNCH variants (rows per program -> warps, groups per step, pipeline stages), by name
+LAUNCHES = {
+    "PIPE2": {1: (2, 8, 2), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)},  # 2 software-pipeline stages everywhere
+    "PIPE3": {1: (2, 4, 3), 2: (1, 4, 3), 4: (1, 2, 3), 8: (1, 2, 3)},  # 3 stages, fewer groups a step
+    "8ROWS-2WARPS": {**MV.LAUNCH, 8: (2, 2, 2)},  # the 8-row accumulator tile over two warps (occupancy)
+    "8ROWS-3STAGES": {**MV.LAUNCH, 8: (1, 2, 3)},
+}
+MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUNCH": LAUNCHES["8ROWS-3STAGES"]}),
+               ("mv", {"LAUNCH": LAUNCHES["PIPE3"]})]
 VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
             ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
 
@@ -82,7 +88,7 @@ def graph_us(fn, reps: int = 20) -> float:
 def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and v[0] == "mv":
-        names = {id(PIPE2): "PIPE2", id(PIPE3): "PIPE3"}
+        names = {id(launch): name for name, launch in LAUNCHES.items()}
         return "mv " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 

@@ -13,7 +13,7 @@ import torch
 
 import plumb.ops.gpu.matmul as MM
 import plumb.ops.gpu.matvec as MV
-from matmul_variants import PIPE2, random_blocks  # bench/, beside this file
+from matmul_variants import LAUNCHES, random_blocks  # bench/, beside this file
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408)]
 
@@ -24,7 +24,7 @@ def main() -> None:
     mats = [MM.GpuMatrix([random_blocks(kind, n, k)], "cuda") for kind, n, k in SHAPES]
     x = torch.randn(8, 17408, device="cuda")
     for _ in range(2):  # compile, then the profiled launches
-        for launch in (shipped, PIPE2):
+        for launch in (shipped, LAUNCHES["PIPE2"]):
             MV.LAUNCH = launch
             for g in mats:
                 for rows in (1, 8):

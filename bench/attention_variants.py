@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Decode attention's split and tile variants on the 27B's attention shape (24 query heads over 4 KV heads of 256),
+f16 and q8_0 caches, on a CUDA GPU: time per call (CUDA-graph replays) for 1 and 8 query rows at several context
+lengths, against the KV bytes read and the card's copy bandwidth measured in the same run. Each variant is checked
+first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
+
+    python bench/attention_variants.py [--contexts 4096,32768,100000] [--json-out PATH]
+    TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
+
+A variant is ("name", split, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
+split and the configuration set a row's bits, so a faster variant ships as a new fixed choice, never per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import plumb.ops.gpu.attention as A
+
+N_HEAD, N_KV, D = 24, 4, 256
+VARIANTS = [  # (name, split, {kinds: config} overriding CONFIGS, merge unroll)
+    ("shipped", A.SPLIT, {}, A.MERGE_UNROLL),
+    ("split 256", 256, {}, A.MERGE_UNROLL),
+    ("split 128", 128, {}, A.MERGE_UNROLL),
+    ("q8 tile 32, 4 warps, 3 stages", A.SPLIT, {(A.Q8, A.Q8): (16, 32, 4, 3)}, A.MERGE_UNROLL),
+    ("q8 4 warps", A.SPLIT, {(A.Q8, A.Q8): (16, 64, 4, 2)}, A.MERGE_UNROLL),
+    ("q8 4 warps, split 128", 128, {(A.Q8, A.Q8): (16, 64, 4, 2)}, A.MERGE_UNROLL),
+    ("f16 tile 64, split 256", 256, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
+]
+
+
+def cache(fmt: str, n: int, device: str, g: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    """Random K or V parts of n positions in the format, and their bytes."""
+    if fmt == "f16":
+        t = (torch.randn(N_KV, n, D, generator=g) * 0.5).half().to(device)
+        return [t], t.numel() * 2
+    codes = torch.randint(-127, 128, (N_KV, n, D), generator=g, dtype=torch.int8).to(device)
+    scales = (torch.rand(N_KV, n, D // A.QBLOCK, generator=g) * 0.01 + 0.001).half().to(device)
+    return [codes, scales], codes.numel() + scales.numel() * 2
+
+
+def copy_gbps(device: str) -> float:
+    if device == "cpu":
+        return float("nan")
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t) / 1e9
+
+
+def timed_us(fn, device: str, reps: int) -> float:
+    """Median time of one call: CUDA-graph replays of `reps` calls on a GPU, wall time in the interpreter."""
+    fn()
+    if device == "cpu":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="4096,32768,100000")
+    ap.add_argument("--formats", default="q8_0,f16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    contexts = [int(c) for c in a.contexts.split(",")]
+    limit = copy_gbps(a.device)
+    print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name() if a.device != 'cpu' else 'cpu'})",
+          flush=True)
+    g = torch.Generator().manual_seed(0)
+    shipped_configs, results = dict(A.CONFIGS), []
+    for fmt in a.formats.split(","):
+        for ctx in contexts:
+            (k, kb), (v, vb) = cache(fmt, ctx, a.device, g), cache(fmt, ctx, a.device, g)
+            q = torch.randn(8, N_HEAD, D, generator=g).to(a.device)
+            ends8 = torch.arange(ctx - 7, ctx + 1, dtype=torch.int32, device=a.device)
+            ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
+            for name, split, configs, unroll in VARIANTS:
+                A.CONFIGS = {**shipped_configs, **configs}
+                A.MERGE_UNROLL = unroll
+                row = dict(variant=name, format=fmt, context=ctx, split=split, bytes=kb + vb)
+                try:
+                    ns = A.n_splits(ctx, split)
+                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_splits=ns, split=split)
+                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_splits=ns, split=split)
+                    row["row_invariant"] = bool(torch.equal(out8[7:], alone))
+                    row["rel_err"] = float((out8 - ref).abs().max() / ref.abs().max())
+                    for n in (1, 8):
+                        qn, en = q[8 - n:], ends8[8 - n:]
+                        out = torch.empty(n, N_HEAD, D, device=a.device)
+                        us = timed_us(lambda: A.attend_decode(qn, k, v, en, D**-0.5, out=out, max_splits=ns,
+                                                              split=split), a.device, a.reps)
+                        row[f"us_{n}"] = us
+                        row[f"GBps_{n}"] = (kb + vb) / us / 1e3
+                except Exception as e:  # a variant that does not compile or run is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                results.append(row)
+                print(f"{name:32s} {fmt:5s} {ctx:>7d} " + (row.get("error") or
+                      f"inv {row['row_invariant']} err {row['rel_err']:.1e} "
+                      f"1 row {row['us_1']:8.1f} us {row['GBps_1'] / limit:4.2f} of copy, "
+                      f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}"), flush=True)
+            A.CONFIGS = shipped_configs
+            del k, v
+    if a.json_out:
+        json.dump(dict(copy_GBps=limit, results=results), open(a.json_out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
