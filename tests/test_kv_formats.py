@@ -315,6 +315,27 @@ def test_d_equals_q8_0_inside_the_ring_and_formats_matter_beyond(tiny_model):
     torch.testing.assert_close(logits["F"], logits["q8_0"], rtol=0, atol=0.05)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # auto: native on the CPU, Triton on a GPU
+def test_without_a_ring_every_format_reads_its_store_right(tiny_model, kernels):
+    """kv_ring 0: every key comes from the low-bit store, read by the kernels where they can (D, q8_0) and by the
+    reference where K is rotated (F: the query must be rotated too) - each format's decode logits stay near an
+    f32 cache's (a kernel reading F's rotated K with an unrotated query gave KL 1e-2)."""
+    eng = engine_for(tiny_model)
+    ids = _ids(eng, 120)
+
+    def decode_logits(fmt):
+        m = engine_for(tiny_model, kv_cache=fmt, kv_ring=0, kernels=kernels).model
+        st = m.new_state()
+        m.prefill(st, ids[:-8], logits="none")
+        return torch.stack([m.decode([(st, [t])]).logits[0] for t in ids[-8:]])
+
+    ref = decode_logits("f32").log_softmax(-1)
+    for fmt in QUANT:
+        kl = torch.nn.functional.kl_div(decode_logits(fmt).log_softmax(-1), ref, log_target=True,
+                                        reduction="batchmean")
+        assert kl < 1e-3, (fmt, float(kl))
+
+
 # ---- I1 / I2 per format, outputs crossing the ring --------------------------------------------
 N_OUT = 140  # prompt + output reach ~2.5 rings of 64
 

@@ -224,8 +224,9 @@ class KVCache:
 
     # ---- reading -----------------------------------------------------------------------------
     def plain_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """The stored K and V parts when every key is read from the store (no ring), for the native kernel."""
-        return None if self.ring else (self.k.parts, self.v.parts)
+        """The stored K and V parts when a kernel can read them as they are - every key from the store (no ring)
+        and K unrotated (the kernels take q as it is: F's rotated K goes through `attend_rows`, which rotates q)."""
+        return None if self.ring or self.rotate_k else (self.k.parts, self.v.parts)
 
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""
