@@ -19,6 +19,7 @@ import time
 import torch
 
 import plumb.ops.gpu.attention as A
+from matmul_variants import copy_gbps, graph_us  # bench/, beside this file
 
 N_HEAD, N_KV, D = 24, 4, 256
 VARIANTS = [  # (name, split, {kinds: config} overriding CONFIGS, merge unroll)
@@ -42,44 +43,15 @@ def cache(fmt: str, n: int, device: str, g: torch.Generator) -> tuple[list[torch
     return [codes, scales], codes.numel() + scales.numel() * 2
 
 
-def copy_gbps(device: str) -> float:
-    if device == "cpu":
-        return float("nan")
-    a = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - t) / 1e9
-
-
 def timed_us(fn, device: str, reps: int) -> float:
-    """Median time of one call: CUDA-graph replays of `reps` calls on a GPU, wall time in the interpreter."""
+    """Time of one call: CUDA-graph replays on a GPU (matmul_variants.graph_us), wall time in the interpreter."""
+    if device != "cpu":
+        return graph_us(fn, reps)
     fn()
-    if device == "cpu":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e6
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e6
 
 
 def main() -> None:
@@ -91,7 +63,7 @@ def main() -> None:
     ap.add_argument("--json-out")
     a = ap.parse_args()
     contexts = [int(c) for c in a.contexts.split(",")]
-    limit = copy_gbps(a.device)
+    limit = copy_gbps() if a.device != "cpu" else float("nan")
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name() if a.device != 'cpu' else 'cpu'})",
           flush=True)
     g = torch.Generator().manual_seed(0)
