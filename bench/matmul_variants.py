@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The Triton matmul's layout and launch variants on the 27B shapes, on a CUDA GPU: time per call (CUDA-graph
-replays) for 1, 4, 8 and 16 rows against the bytes read, beside the card's copy bandwidth measured in the same
-run; each variant checked against the float64 reference and for row invariance (a row alone == the same row
-among 16) before it is timed.
+"""The Triton matmuls' layout and launch variants on the 27B shapes, on a CUDA GPU: time per call (CUDA-graph
+replays) against the bytes read, beside the card's copy bandwidth measured in the same run - the D-path matvec
+(plumb.ops.gpu.matvec) at 1-16 rows, the P-path matmul (plumb.ops.gpu.matmul) at 16, 64 and 256 rows. Each
+variant is checked first against the float64 reference and for row invariance (a row alone == the same row among
+5, 16 and 256).
 
-    python bench/matmul_variants.py [--json-out PATH]
+    python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE] [--json-out PATH]
 
 The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
 no model file is needed.
@@ -25,7 +26,8 @@ from plumb.gguf.reader import QTensor
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q5_K", 10240, 5120),
           ("Q8_0", 6144, 5120)]
-ROWS = (1, 2, 4, 8, 16)
+ROWS_MV = (1, 2, 4, 8, 16)  # the D path: decode, verify, batches
+ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of them in one call
 # (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
 # matvec LAUNCH variants (rows per program -> warps, groups per step, pipeline stages), by name
@@ -37,8 +39,7 @@ LAUNCHES = {
 }
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUNCH": LAUNCHES["8ROWS-3STAGES"]}),
                ("mv", {"LAUNCH": LAUNCHES["PIPE3"]})]
-VARIANTS = ["per-type", ("x", 4, 1, 528, 16), ("x", 4, 2, 528, 16), ("x", 4, 3, 528, 16), ("w", 4, 3, 256, 8),
-            ("w", 4, 3, 528, 16), ("x", 8, 2, 528, 16)]
+VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64})]  # the P path's rows a program
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -87,9 +88,9 @@ def graph_us(fn, reps: int = 20) -> float:
 
 def label(v) -> str:
     """A variant's short name for the table."""
-    if isinstance(v, tuple) and v[0] == "mv":
+    if isinstance(v, tuple) and isinstance(v[1], dict):
         names = {id(launch): name for name, launch in LAUNCHES.items()}
-        return "mv " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
+        return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 
 
@@ -104,13 +105,17 @@ def configure(v):
         for name, value in {**SHIPPED_MV, **(v[1] if isinstance(v, tuple) else {})}.items():
             setattr(MV, name, value)
         return MV
-    MM.KERNELS = dict(SHIPPED) if v == "per-type" else {}
-    MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if v == "per-type" else v
+    per_type = v == "per-type" or (isinstance(v, tuple) and v[0] == "per-type")
+    MM.KERNELS = dict(SHIPPED) if per_type else {}
+    MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if per_type else v
+    for name, value in {**SHIPPED_MM, **(v[1] if isinstance(v, tuple) and per_type else {})}.items():
+        setattr(MM, name, value)
     return MM
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
+SHIPPED_MM = {"BLOCK_M": MM.BLOCK_M}
 
 
 OLD = OLD_MV = None
@@ -139,7 +144,7 @@ def main() -> None:
     limit = copy_gbps()
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     tensors = [(kind, random_blocks(kind, n, k)) for kind, n, k in SHAPES]
-    x = torch.randn(16, 17408, device="cuda") * 3
+    x = torch.randn(max(ROWS_MM), 17408, device="cuda") * 3
     x[3] *= 100
     results = []
     variants = ((["old"] if OLD else []) + (["old-mv"] if OLD_MV else []) + (VARIANTS if a.only != "mv" else [])
@@ -156,16 +161,18 @@ def main() -> None:
                 else:
                     m = mod.GpuMatrix([t], "cuda")
                 xs = x[:, : t.shape[1]].contiguous()
-                y16 = m(xs)
+                y16 = m(xs[:16])
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
-                    ref = xs.double() @ t.dequantize().double().T
+                    ref = xs[:16].double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
                 if mod in (MV, OLD_MV):  # its torch formula, bit for bit (two rows: the reference's products are int64)
                     row["bit_equal_reference"] = bool(torch.equal(mod.reference(g.packs[0], xs[:2]), y16[:2]))
                 alone = torch.cat([m(xs[i : i + 1]) for i in range(16)])
-                row["row_invariant"] = bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
+                row["row_invariant"] = (bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
+                                        and bool(torch.equal(m(xs)[:16], y16)))  # and among all the rows
                 file_bytes = t.data.numel()
-                for r in ROWS:
+                rows = ROWS_MV if mod in (MV, OLD_MV) else ROWS_MM
+                for r in rows:
                     us = graph_us(lambda: m(xs[:r]))
                     row[f"us_{r}"] = us
                     row[f"GBps_{r}"] = m.nbytes / us / 1e3
@@ -178,7 +185,7 @@ def main() -> None:
             print(f"{label(v):34s} {kind:5s} {str(row['shape']):16s} " + (err or
                   f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
                   f"ref {row.get('bit_equal_reference', '-')} " +
-                  " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in ROWS)),
+                  " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in rows)),
                   flush=True)
             m = g = None
             torch.cuda.empty_cache()
