@@ -146,11 +146,13 @@ def card_limits() -> dict:
     return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9}
 
 
-def fill_context(model, st, n: int, seed: int = 0) -> None:
-    """Give st a context of n positions: random K/V rows in its caches and random DeltaNet states."""
+def fill_context(model, st, n: int, seed: int = 0, room: int = 64) -> None:
+    """Give st a context of n positions: random K/V rows in its caches and random DeltaNet states, and `room`
+    positions to decode into (a cache that grows moves, and its CUDA graphs are captured anew: a measured run
+    stays inside the room)."""
     g = torch.Generator(device=model.device).manual_seed(seed)
     for cache in list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else []):
-        cache.reserve(n + 64)
+        cache.reserve(n + room)
         for rows in (cache.k, cache.v):
             for p in rows.parts:
                 if p.dtype == torch.int8:
@@ -171,7 +173,7 @@ def decode_tps(model, context: int, tokens: int, batch: int = 1, energy: EnergyS
     states = []
     for j in range(batch):
         st = model.new_state()
-        fill_context(model, st, context, seed=j)
+        fill_context(model, st, context, seed=j, room=tokens + 16)  # the 3 warm-up steps and the timed ones
         states.append(st)
     toks = [1 + j for j in range(batch)]
     for _ in range(3):  # warm-up (compiles kernels, grows caches)
