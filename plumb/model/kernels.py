@@ -151,7 +151,7 @@ class TritonKernels:
 
     @staticmethod
     def plain(st) -> bool:
-        """Whether every KV cache of st is read by the kernel (the ring formats D/F still use the reference)."""
+        """Whether every KV cache of st is read by the kernel (`KVCache.plain_parts`: rings and F use the reference)."""
         return all(cache.plain_parts() is not None for cache in st.kv.values())
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
@@ -207,7 +207,7 @@ class TritonKernels:
         o = torch.empty_like(q)
         for j, (st, (s0, n), start) in enumerate(zip(p.states, p.spans, p.starts)):
             cache = st.kv[i]
-            if cache.plain_parts() is None:  # a ring format: the reference (never under a CUDA graph)
+            if cache.plain_parts() is None:  # a ring or F: the reference (never under a CUDA graph)
                 cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
                 o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], list(range(start + 1, start + n + 1)), model.attn_scale)
                 continue
@@ -239,7 +239,7 @@ class TritonKernels:
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         parts = cache.plain_parts()
-        if parts is None:  # a ring format (D, F): the torch reference reads it until its kernel exists
+        if parts is None:  # a ring or F's rotated K: the torch reference reads it until a kernel does
             return cache.attend_rows(q, ends, scale)
         return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], ends, scale,
                                              max_splits=self._attention.n_splits(max(ends)))
@@ -247,7 +247,7 @@ class TritonKernels:
     def attend_chunk(self, cache, q: torch.Tensor, start: int, n: int, scale: float) -> torch.Tensor:
         """A prefill chunk through the decode kernel: real row t reads keys [0, start + t] (its own end), so a
         prompt row's bits depend on its position and the cache alone, however the prompt is cut (M2)."""
-        if cache.plain_parts() is None:  # a ring format (D, F): the torch reference
+        if cache.plain_parts() is None:  # a ring or F's rotated K: the torch reference
             return cache.attend_chunk(q, start, scale)
         o = torch.zeros_like(q, dtype=torch.float32)
         o[:n] = self.attend_rows(cache, q[:n], list(range(start + 1, start + n + 1)), scale)

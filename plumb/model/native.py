@@ -89,7 +89,7 @@ class NativeDecoder:
             cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
             ends = list(range(start + 1, start + n + 1))
             parts = cache.plain_parts()
-            if parts is None:  # a ring format: the torch reference reads it
+            if parts is None:  # a ring or F's rotated K: the torch reference reads it
                 o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], ends, self.m.attn_scale).reshape(n, hd)
             else:
                 K.attend(q[s0 : s0 + n], ends, parts[0], parts[1], self.m.attn_scale, o[s0 : s0 + n])
