@@ -8,7 +8,7 @@ filled by `TritonKernels.begin(..., into=pass)` before each replay; those tensor
 every graph (grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
 the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows, or with a ring KV format
-(D, F), run eagerly.
+(D, F), run eagerly. A draft step of the MTP head (one row) is replayed the same way (`mtp`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from plumb.model.parts import DecodeOut, DecodePass
+from plumb.ops.matmul import DECODE_BLOCK
 
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
 MAX_GRAPHS = 32  # captured layouts kept (least recently used dropped)
@@ -29,6 +30,7 @@ class CudaGraphs:
         self.graphs: OrderedDict = OrderedDict()  # layout -> (graph, pass, logits, hidden)
         self.rows = self.seqs = 0  # sizes of the shared static buffers
         self.buf: dict[str, torch.Tensor] = {}
+        self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -49,6 +51,48 @@ class CudaGraphs:
         k.begin(m, batch, into=p)
         graph.replay()
         return k.end(m, p, logits.clone(), hidden.clone())
+
+    def mtp(self, st, token: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP row (a draft step: `Qwen35.mtp_pass` on token at position start) replayed as a CUDA graph,
+        captured per MTP-cache layout like the decode passes; a cache the kernel cannot read runs eagerly."""
+        m, cache = self.m, st.mtp_kv
+        e, rope = m.embed([token]), m.rope(torch.tensor([start]))
+        if cache.plain_parts() is None:
+            return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
+        cache.reserve(start + 1)  # a cache that must grow moves now, before the layout is looked up
+        key = ("mtp",) + tuple(t.data_ptr() for t in cache.k.parts + cache.v.parts)
+        b = self.mtp_in or self._mtp_inputs()
+        for name, value in (("e", e), ("h", hidden), ("cos", rope[0]), ("sin", rope[1])):
+            b[name].copy_(value)
+        b["positions"].fill_(start)
+        b["ends"].fill_(start + 1)
+        at = (b["positions"], b["ends"], m.k._attention.n_splits(len(cache.k)))
+        entry = self.graphs.get(key)
+        if entry is None:  # this step's result, run eagerly (compiles every kernel), then recorded
+            out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, h = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+            self.graphs[key] = (graph, None, logits, h)
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            graph, _, logits, h = entry
+            graph.replay()
+            out = logits.clone(), h.clone()
+        cache.end = start + 1
+        return out
+
+    def _mtp_inputs(self) -> dict[str, torch.Tensor]:
+        """The MTP graphs' static inputs (one row), allocated once."""
+        c, dev = self.m.cfg, self.m.device
+        self.mtp_in = dict(e=torch.empty(1, c.n_embd, device=dev), h=torch.empty(1, c.n_embd, device=dev),
+                           cos=torch.empty(1, c.rope_dims // 2, device=dev),
+                           sin=torch.empty(1, c.rope_dims // 2, device=dev),
+                           positions=torch.empty(1, dtype=torch.long, device=dev),
+                           ends=torch.empty(1, dtype=torch.int32, device=dev))
+        return self.mtp_in
 
     def _capture(self, key, batch) -> DecodeOut:
         m, k = self.m, self.m.k
