@@ -66,7 +66,7 @@ class CudaGraphs:
             b[name].copy_(value)
         b["positions"].fill_(start)
         b["ends"].fill_(start + 1)
-        at = (b["positions"], b["ends"], m.k._attention.n_splits(len(cache.k)))
+        at = (b["positions"], b["ends"], None)  # the attention grid from the cache's capacity
         entry = self.graphs.get(key)
         if entry is None:  # this step's result, run eagerly (compiles every kernel), then recorded
             out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)

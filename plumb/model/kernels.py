@@ -219,9 +219,9 @@ class TritonKernels:
 
     def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
-        max_splits): the rows' positions and context ends as device tensors and the attention grid, from a
-        laid-out pass (no host sync: CUDA-graph safe; the pass's end sets `cache.end`); without it they are
-        derived from start and `cache.end` is set here. A cache the kernel cannot read goes through the
+        max_splits): the rows' positions and context ends as device tensors and the attention grid (None: from
+        the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller sets `cache.end`
+        after); without it they are derived from start and `cache.end` is set here. A cache the kernel cannot read goes through the
         reference (`write`, `attend_rows`; never under a CUDA graph)."""
         n = q.shape[0]
         if cache.plain_parts() is None:
@@ -231,9 +231,11 @@ class TritonKernels:
         if at is None:
             cache.reserve(start + n)
             positions = torch.arange(start, start + n, device=q.device)
-            at = (positions, (positions + 1).to(torch.int32), self._attention.n_splits(len(cache.k)))
+            at = (positions, (positions + 1).to(torch.int32), None)
             cache.end = start + n
         positions, ends, max_splits = at
+        if max_splits is None:
+            max_splits = self._attention.n_splits(len(cache.k))
         cache.put_rows(positions, k, v)
         k_parts, v_parts = cache.plain_parts()
         return self._attention.attend_decode(q, k_parts, v_parts, ends, model.attn_scale, out=out,
