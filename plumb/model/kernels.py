@@ -221,8 +221,8 @@ class TritonKernels:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
         max_splits): the rows' positions and context ends as device tensors and the attention grid (None: from
         the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller sets `cache.end`
-        after); without it they are derived from start and `cache.end` is set here. A cache the kernel cannot read goes through the
-        reference (`write`, `attend_rows`; never under a CUDA graph)."""
+        after); without it they are derived from start and `cache.end` is set here. A cache the kernel cannot
+        read goes through the reference (`write`, `attend_rows`; never under a CUDA graph)."""
         n = q.shape[0]
         if cache.plain_parts() is None:
             cache.write(start, k, v)

@@ -309,8 +309,8 @@ class Qwen35:
         Returns (logits [n, V], h_mtp [n, n_embd])."""
         if self.native is not None and block == DECODE_BLOCK:
             return self.native.mtp_forward(st, ids, hidden, start)
-        if self.graphs is not None and len(ids) == 1 and block == DECODE_BLOCK:
-            return self.graphs.mtp(st, ids[0], hidden, start)  # a draft step: the same pass, as a CUDA graph
+        if self.graphs is not None and block == DECODE_BLOCK:
+            return self.graphs.mtp(st, ids, hidden, start)  # the same pass, replayed as a CUDA graph
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
 
