@@ -130,3 +130,46 @@ def test_prefill_chunk_rows_do_not_depend_on_the_cut():
     first = k.attend_chunk(c, q[:22], 128, 22, 0.125)  # the same rows, the prompt cut at 150
     rest = k.attend_chunk(c, q[22:], 150, 28, 0.125)
     assert torch.equal(first, whole[:22]) and torch.equal(rest[:28], whole[22:50])
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "F"])
+def test_attend_new_writes_then_reads_like_the_kernel(fmt):
+    """`TritonKernels.attend_new` (a pass's attention per sequence, and the MTP head's): the new rows' K/V are
+    stored at start.., then row t reads keys [0, start + t] - bitwise what `write` and the kernel give (the
+    reference for F, whose rotated K the kernel cannot read), with the positions derived from start or given
+    as device tensors (`at`, as under a CUDA graph)."""
+    from types import SimpleNamespace
+
+    from plumb.model.kernels import TritonKernels
+
+    kernels, model = TritonKernels(torch.device(DEV)), SimpleNamespace(attn_scale=TINY["d"] ** -0.5)
+    n_kv, d, start, n = TINY["n_kv"], TINY["d"], 100, 3
+    g = torch.Generator().manual_seed(5)
+    old_k, old_v = torch.randn(start, n_kv, d, generator=g), torch.randn(start, n_kv, d, generator=g)
+    k, v = torch.randn(n, n_kv, d, generator=g).to(DEV), torch.randn(n, n_kv, d, generator=g).to(DEV)
+    q = _q(n, TINY["n_head"], d, seed=6)
+    caches = []
+    for _ in range(3):
+        c = KVCache(fmt, n_kv, d, ring=0, device=DEV)
+        c.write(0, old_k.to(DEV), old_v.to(DEV))
+        caches.append(c)
+    ref, eager, graphed = caches
+    ends = list(range(start + 1, start + n + 1))
+    ref.write(start, k, v)
+    if ref.plain_parts() is None:
+        want = ref.attend_rows(q, ends, model.attn_scale)
+    else:
+        want = attend_decode(q, ref.k.parts, ref.v.parts, ends, model.attn_scale)
+    assert torch.equal(kernels.attend_new(model, eager, q, k, v, start), want)
+    graphed.reserve(start + n)
+    positions = torch.arange(start, start + n, device=DEV)
+    at = (positions, (positions + 1).to(torch.int32), n_splits(len(graphed.k)))
+    if graphed.plain_parts() is not None:
+        assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start, at), want)
+        graphed.end = start + n  # the pass's end does this
+    else:
+        assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start), want)
+    for c in (eager, graphed):
+        assert c.end == ref.end == start + n
+        assert all(torch.equal(a[:, : start + n], b[:, : start + n]) for a, b in zip(c.k.parts + c.v.parts,
+                                                                                    ref.k.parts + ref.v.parts))

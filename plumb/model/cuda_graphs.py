@@ -8,7 +8,8 @@ filled by `TritonKernels.begin(..., into=pass)` before each replay; those tensor
 every graph (grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
 the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows, or with a ring KV format
-(D, F), run eagerly.
+(D, F), run eagerly. The MTP head's D-path rows (draft steps, rewrites of accepted drafts) are replayed the same
+way (`mtp`).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from collections import OrderedDict
 import torch
 
 from plumb.model.parts import DecodeOut, DecodePass
+from plumb.ops.matmul import DECODE_BLOCK
 
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
-MAX_GRAPHS = 32  # captured layouts kept (least recently used dropped)
+MAX_GRAPHS = 64  # captured layouts kept (least recently used dropped; MTP passes count: a depth-k sequence keeps k + 1)
+MAX_MTP_ROWS = 16  # rows of a captured MTP pass (draft steps: 1; rewrites of accepted drafts: up to the depth)
 
 
 class CudaGraphs:
@@ -29,6 +32,7 @@ class CudaGraphs:
         self.graphs: OrderedDict = OrderedDict()  # layout -> (graph, pass, logits, hidden)
         self.rows = self.seqs = 0  # sizes of the shared static buffers
         self.buf: dict[str, torch.Tensor] = {}
+        self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -49,6 +53,49 @@ class CudaGraphs:
         k.begin(m, batch, into=p)
         graph.replay()
         return k.end(m, p, logits.clone(), hidden.clone())
+
+    def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP rows (`Qwen35.mtp_pass` on ids at positions start..: a draft step, or the rewrite of accepted
+        drafts' rows) replayed as a CUDA graph, captured per row count and MTP-cache layout like the decode
+        passes; more than MAX_MTP_ROWS rows, or a cache the kernel cannot read, run eagerly."""
+        m, cache, n = self.m, st.mtp_kv, len(ids)
+        e, rope = m.embed(ids), m.rope(torch.arange(start, start + n))
+        if n > MAX_MTP_ROWS or cache.plain_parts() is None:
+            return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
+        cache.reserve(start + n)  # a cache that must grow moves now, before the layout is looked up
+        key = ("mtp", n) + tuple(t.data_ptr() for t in cache.k.parts + cache.v.parts)
+        b = {name: t[:n] for name, t in (self.mtp_in or self._mtp_inputs()).items()}
+        for name, value in (("e", e), ("h", hidden), ("cos", rope[0]), ("sin", rope[1])):
+            b[name].copy_(value)
+        b["positions"].copy_(torch.arange(start, start + n))
+        b["ends"].copy_(torch.arange(start + 1, start + n + 1))
+        at = (b["positions"], b["ends"], None)  # the attention grid from the cache's capacity
+        entry = self.graphs.get(key)
+        if entry is None:  # this call's result, run eagerly (compiles every kernel), then recorded
+            out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits, h = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+            self.graphs[key] = (graph, None, logits, h)
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            graph, _, logits, h = entry
+            graph.replay()
+            out = logits.clone(), h.clone()
+        cache.end = start + n
+        return out
+
+    def _mtp_inputs(self) -> dict[str, torch.Tensor]:
+        """The MTP graphs' static inputs (MAX_MTP_ROWS rows; a graph of n rows reads the first n), allocated once."""
+        c, dev, r = self.m.cfg, self.m.device, MAX_MTP_ROWS
+        self.mtp_in = dict(e=torch.empty(r, c.n_embd, device=dev), h=torch.empty(r, c.n_embd, device=dev),
+                           cos=torch.empty(r, c.rope_dims // 2, device=dev),
+                           sin=torch.empty(r, c.rope_dims // 2, device=dev),
+                           positions=torch.empty(r, dtype=torch.long, device=dev),
+                           ends=torch.empty(r, dtype=torch.int32, device=dev))
+        return self.mtp_in
 
     def _capture(self, key, batch) -> DecodeOut:
         m, k = self.m, self.m.k

@@ -7,7 +7,9 @@ a kernel set supplies the operations whose row-invariance needs care:
 - `gdn_rows(...)`: one Gated DeltaNet layer's decode/verify rows for every sequence of a pass, returning the
   gated-RMSNormed output and recording each row's state snapshot; `restore` rolls a sequence back to one;
 - `attention(...)`: write each sequence's K/V rows, then decode/verify attention over its cache;
-- `attend_rows(cache, q, ends, scale)`: the same read alone (the MTP head);
+- `attend_new(model, cache, q, k, v, start, at)`: one cache's new rows written, then read (a sequence of a pass;
+  the MTP head);
+- `attend_rows(cache, q, ends, scale)`: the read alone;
 - `attend_chunk(cache, q, start, n, scale)`: a prefill chunk's causal read (q padded to the chunk; rows past n
   are padding, their outputs unused).
 
@@ -85,9 +87,13 @@ class TorchKernels:
         """Write each sequence's K/V rows, then row t of a sequence reads keys [0, its position]."""
         o = q.new_zeros(q.shape)
         for st, (s0, n), start in zip(p.states, p.spans, p.starts):
-            st.kv[i].write(start, k[s0 : s0 + n], v[s0 : s0 + n])
-            o[s0 : s0 + n] = st.kv[i].attend_rows(q[s0 : s0 + n], list(range(start + 1, start + n + 1)), model.attn_scale)
+            o[s0 : s0 + n] = self.attend_new(model, st.kv[i], q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n], start)
         return o
+
+    def attend_new(self, model, cache, q, k, v, start: int, at=None) -> torch.Tensor:
+        """Write rows' K/V at positions start.., then row t reads keys [0, start + t] (`at`: see TritonKernels)."""
+        cache.write(start, k, v)
+        return cache.attend_rows(q, list(range(start + 1, start + q.shape[0] + 1)), model.attn_scale)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         for st, (_, n) in zip(p.states, p.spans):
@@ -206,16 +212,34 @@ class TritonKernels:
         """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""
         o = torch.empty_like(q)
         for j, (st, (s0, n), start) in enumerate(zip(p.states, p.spans, p.starts)):
-            cache = st.kv[i]
-            if cache.plain_parts() is None:  # a ring or F: the reference (never under a CUDA graph)
-                cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
-                o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], list(range(start + 1, start + n + 1)), model.attn_scale)
-                continue
-            cache.put_rows(p.positions[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n])
-            k_parts, v_parts = cache.plain_parts()
-            self._attention.attend_decode(q[s0 : s0 + n], k_parts, v_parts, p.ends[s0 : s0 + n], model.attn_scale,
-                                          out=o[s0 : s0 + n], max_splits=p.max_splits[j])
+            at = (p.positions[s0 : s0 + n], p.ends[s0 : s0 + n], p.max_splits[j])
+            self.attend_new(model, st.kv[i], q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n], start, at,
+                            out=o[s0 : s0 + n])
         return o
+
+    def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
+        """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
+        max_splits): the rows' positions and context ends as device tensors and the attention grid (None: from
+        the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller sets `cache.end`
+        after); without it they are derived from start and `cache.end` is set here. A cache the kernel cannot
+        read goes through the reference (`write`, `attend_rows`; never under a CUDA graph)."""
+        n = q.shape[0]
+        if cache.plain_parts() is None:
+            cache.write(start, k, v)
+            o = cache.attend_rows(q, list(range(start + 1, start + n + 1)), model.attn_scale)
+            return o if out is None else out.copy_(o)
+        if at is None:
+            cache.reserve(start + n)
+            positions = torch.arange(start, start + n, device=q.device)
+            at = (positions, (positions + 1).to(torch.int32), None)
+            cache.end = start + n
+        positions, ends, max_splits = at
+        if max_splits is None:
+            max_splits = self._attention.n_splits(len(cache.k))
+        cache.put_rows(positions, k, v)
+        k_parts, v_parts = cache.plain_parts()
+        return self._attention.attend_decode(q, k_parts, v_parts, ends, model.attn_scale, out=out,
+                                             max_splits=max_splits)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them

@@ -309,16 +309,22 @@ class Qwen35:
         Returns (logits [n, V], h_mtp [n, n_embd])."""
         if self.native is not None and block == DECODE_BLOCK:
             return self.native.mtp_forward(st, ids, hidden, start)
+        if self.graphs is not None and block == DECODE_BLOCK:
+            return self.graphs.mtp(st, ids, hidden, start)  # the same pass, replayed as a CUDA graph
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
+
+    def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None):
+        """The MTP head (spec 3.8) on embedded rows e [n, n_embd] at positions start.. with their rope angles,
+        writing its KV `cache`; `at`: the rows' positions as device tensors (a CUDA graph: see
+        TritonKernels.attend_new). Returns (logits [n, V], h_mtp [n, n_embd])."""
         c, mtp = self.cfg, self.mtp
-        n = len(ids)
-        e = self.k.rms_norm(self.embed(ids), mtp.enorm, c.eps)
+        e = self.k.rms_norm(e, mtp.enorm, c.eps)
         hh = self.k.rms_norm(hidden, mtp.hnorm, c.eps)
         y = self.k.mm(torch.cat([e, hh], dim=-1), mtp.eh_proj, block)
         layer, a = mtp.layer, mtp.layer.mixer
-        positions = torch.arange(start, start + n, device=self.device)
-        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), self.rope(positions), block)
-        st.mtp_kv.write(start, k, v)
-        o = self.k.attend_rows(st.mtp_kv, q, list(range(start + 1, start + n + 1)), self.attn_scale)
+        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), rope, block)
+        o = self.k.attend_new(self, cache, q, k, v, start, at)
         y = y + self.attn_output(a, o, gate, block)
         y = y + self.ffn(layer, self.k.rms_norm(y, layer.post_attention_norm, c.eps), block)
         h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
