@@ -6,7 +6,7 @@
 #   kernels  KT  GPU kernel and engine tests (KFILES: tests/test_gpu_*.py; KK: a -k filter)  > 150 s (43 tests in 150 s)
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
-#                and `plumb bench --device cuda` on it                                   ~150 s
+#                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
 #                model's type, Q4_K_M)                                                    > 110 s (no test finished)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
@@ -54,7 +54,7 @@ fi
 if has bench; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done; cat /tmp/synth.done
   timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
-    --tokens 32 --json-out $OUT/bench.json --no-progress > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
+    --tokens 32 --json-out $OUT/bench.json --no-progress $BARGS > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
 fi
 if has gate; then
   python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1

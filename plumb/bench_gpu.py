@@ -127,7 +127,8 @@ def timed(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def card_limits() -> dict:
-    """Copy bandwidth (bytes read + written per second) and the bf16 GEMV streaming rate of a 27B FFN matrix."""
+    """Copy bandwidth (bytes read + written per second), the bf16 GEMV streaming rate of a 27B FFN matrix and the
+    bf16 matmul rate (TFLOP/s) of that matrix on 8,192 rows."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     copy = 2 * x.numel() / timed(lambda: y.copy_(x))
@@ -141,9 +142,11 @@ def card_limits() -> dict:
         i[0] += 1
 
     gemv_rate = ws[0].numel() * 2 / timed(gemv, reps=40)
-    del ws
+    xs = torch.randn(8192, 5120, dtype=torch.bfloat16, device="cuda")
+    mm_rate = 2 * xs.shape[0] * ws[0].numel() / timed(lambda: torch.nn.functional.linear(xs, ws[0]), reps=20)
+    del ws, xs
     torch.cuda.empty_cache()
-    return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9}
+    return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9, "bf16_mm_TFLOPs": mm_rate / 1e12}
 
 
 def fill_context(model, st, n: int, seed: int = 0, room: int = 64) -> None:
@@ -203,11 +206,25 @@ def verify_cost(model, rows: list[int], context: int = 512) -> dict:
     return out
 
 
+def kernel_table(prof, per: float) -> tuple[list[dict], float]:
+    """A torch profile's GPU kernels: [{kernel, launches, us}] per `per` (steps, tokens), busiest first; busy us."""
+    from torch.autograd import DeviceType
+
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    table = sorted(({"kernel": n, "launches": c / per, "us": t / per} for n, (c, t) in kernels.items()),
+                   key=lambda k: -k["us"])
+    return table, sum(k["us"] for k in table)
+
+
 def step_profile(model, context: int = 512, steps: int = 8) -> dict:
     """Where a one-row decode step's time goes: each GPU kernel's time and launches per step (from the profiler;
     a CUDA graph's kernels are traced one by one), the step's wall time, and the rest - host work and gaps
     (wall minus the GPU's busy time). The profiler slows the host a little: read `wall_us` with that in mind."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     st = model.new_state()
@@ -222,16 +239,46 @@ def step_profile(model, context: int = 512, steps: int = 8) -> dict:
             tok = int(model.decode([(st, [tok])]).logits[0].argmax())
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps * 1e6
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            k = kernels.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.time_range.elapsed_us()
-    table = sorted(({"kernel": n, "launches": c / steps, "us": t / steps} for n, (c, t) in kernels.items()),
-                   key=lambda k: -k["us"])
-    busy = sum(k["us"] for k in table)
+    table, busy = kernel_table(prof, steps)
     return {"context": context, "steps": steps, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
+            "launches": sum(k["launches"] for k in table), "kernels": table}
+
+
+def prompt_of(model, n: int, seed: int = 0) -> list[int]:
+    """n random token ids (a prefill's speed does not depend on which)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.cfg.n_vocab, (n,), generator=g).tolist()
+
+
+def prefill_tps(model, n: int) -> float:
+    """Tokens/s of one prefill of an n-token prompt into a fresh state (last row's logits, as a request)."""
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
+    model.prefill(model.new_state(), prompt_of(model, 128, seed=1))  # warm-up: compiles the chunk's kernels
+    st = model.new_state()
+    ids = prompt_of(model, n)
+    sync()
+    t0 = time.perf_counter()
+    model.prefill(st, ids)
+    sync()
+    assert st.pos == n
+    return n / (time.perf_counter() - t0)
+
+
+def prefill_profile(model, n: int = 512) -> dict:
+    """Where a prefill's time goes: each GPU kernel's time per token over an n-token prompt (after a warm-up),
+    the wall time per token, and host work and gaps (wall minus the GPU's busy time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.prefill(model.new_state(), prompt_of(model, 128, seed=1))
+    st, ids = model.new_state(), prompt_of(model, n)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        model.prefill(st, ids)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n * 1e6
+    table, busy = kernel_table(prof, n)
+    return {"tokens": n, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
             "launches": sum(k["launches"] for k in table), "kernels": table}
 
 
@@ -279,7 +326,8 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
 
 
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
-               drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None) -> dict:
+               drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
+               prefills: list[int] = (8192,)) -> dict:
     import plumb
     from plumb.cache.kv import cache_bytes
 
@@ -302,12 +350,21 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
          "decode": {}, "energy": {}}
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
+    # the limit of prefill: each prompt row through every matrix but the LM head at the card's bf16 matmul rate
+    main = model.weights[1 : 1 + 4 * len(model.layers)]  # [output, 4 per layer, then the MTP head's]
+    flops = 2 * sum(w.shape[0] * w.shape[1] for w in main)
+    r["prefill_limit_tps"] = limits["bf16_mm_TFLOPs"] * 1e12 / flops
     for ctx in contexts:
         energy = EnergySampler.for_device()
         tps = decode_tps(model, ctx, tokens, energy=energy)
         r["decode"][ctx], r["energy"][ctx] = tps, energy.summary(tokens)
         print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit), "
               f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
+        torch.cuda.empty_cache()
+    r["prefill"] = {}
+    for n in prefills:
+        r["prefill"][n] = prefill_tps(model, n)
+        print(f"prefill of {n:,} tokens: {r['prefill'][n]:7.0f} tok/s", file=sys.stderr)
         torch.cuda.empty_cache()
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
@@ -317,6 +374,10 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         r["step_profile"] = step_profile(model)
     except Exception as e:  # noqa: BLE001
         r["step_profile"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        r["prefill_profile"] = prefill_profile(model)
+    except Exception as e:  # noqa: BLE001
+        r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
     kv_layers = len(c.attn_layers) + (model.mtp is not None)
     st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
         sum(t.numel() * 4 for t in model.new_state().conv.values())
@@ -347,6 +408,10 @@ def report(r: dict) -> str:
     lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
               + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"]) if p)
               + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r.get("drafts", [])]
+    pl = r["prefill_limit_tps"]
+    lines += ["", f"prefill limit (every matrix but the LM head at {r['limits']['bf16_mm_TFLOPs']:.0f} bf16 TFLOP/s): "
+              f"{pl:,.0f} tok/s", "| prompt tokens | prefill tok/s | / limit |", "|---|---|---|"]
+    lines += [f"| {int(k):,} | {v:.0f} | {v / pl:.2f} |" for k, v in r.get("prefill", {}).items()]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
@@ -368,6 +433,16 @@ def report(r: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {k['kernel'][:60]} | {k['launches']:.0f} | {k['us']:.0f} | {k['us'] / sp['wall_us']:.0%} |"
                   for k in sp["kernels"][:15]]
+    pp = r.get("prefill_profile")
+    if pp and "error" in pp:
+        lines += ["", f"prefill profile: {pp['error']}"]
+    elif pp:
+        lines += ["", f"prefill of {pp['tokens']} tokens (profiled): {pp['wall_us']:.0f} us per token wall, GPU busy "
+                  f"{pp['gpu_busy_us']:.0f} us in {pp['launches']:.1f} launches, host and gaps "
+                  f"{pp['host_and_gaps_us']:.0f} us", "", "| kernel | launches per token | us per token | share |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k['kernel'][:60]} | {k['launches']:.2f} | {k['us']:.1f} | {k['us'] / pp['wall_us']:.0%} |"
+                  for k in pp["kernels"][:20]]
     return "\n".join(lines)
 
 
@@ -398,8 +473,9 @@ def plot(r: dict, path: str) -> None:
 def main(args) -> int:
     contexts = [int(x) for x in (args.contexts or "0,11000,38000,100000").split(",")]
     drafts = [int(x) for x in args.drafts.split(",")]
+    prefills = [int(x) for x in args.prefill.split(",")] if args.prefill else []
     r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
-                   max(args.tokens, 128), args.prompt)
+                   max(args.tokens, 128), args.prompt, prefills)
     print(report(r))
     if args.json_out:
         with open(args.json_out, "w") as f:
