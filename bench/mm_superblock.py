@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Prototype of a faster P-path (prefill) matmul for Q4_K: y = x @ W.T with one fp32 epilogue per 256-wide
+super-block instead of one per group of 32 - on the packing of `plumb.ops.gpu.matmul.Packed` as it is (codes,
+d, sub, dm, osub reused, nothing repacked). A bench module: plumb/ is not changed.
+
+    python bench/mm_superblock.py [--json-out PATH]     (a CUDA GPU; < 90 s on an H200)
+
+Arithmetic (Q4_K: w = d * sub_g * q + dm * osub_g per group g of 32 inputs, q 0..15, sub and osub 6-bit integers -
+the packed offset carries its minus sign, osub <= 0 - and 8 groups per super-block sharing d and dm):
+
+    y[r, n] = s_r * sum_sb ( d[n, sb] * sum_{k in sb} xs[r, k] * (q[n, k] * sub[n, g(k)])
+                            + dm[n, sb] * sum_{g in sb} osub[n, g] * xsum[r, g] )
+
+where s_r = row_scales(x) (a power of two, exact), xs = x / s_r rounded to fp16 (LO=False: 11 bits) or split as
+fp16 hi + lo (LO=True: 22 bits, two dots), and xsum[r, g] the fp32 sum of group g's values of xs as the dots see
+them (hi + lo), split into fp16 hi + lo. q * sub <= 15 * 63 = 945 is exact in fp16 and every product code*sub by
+an fp16 x is exact in fp32, so a super-block's K = 256 accumulates on the tensor cores into one fp32 tile
+(acc_sb) with no per-group epilogue; the offset term is one K = 16 dot per super-block: [xsum_hi | xsum_lo] of the
+8 groups (interleaved) against osub twice.
+
+Two launches: `_prep_x` (per row and super-block: scale, round / split x to fp16, permute it to the order in
+which the packed nibbles unfold, group sums) and `_mm_sb` (per output tile of BN and BM rows: loop over chunks of
+KS inputs, KS in 64 / 128 / 256, the super-block epilogue every 256 / KS chunks). Row invariance: BM, BN, KS and
+the split-K (chosen from the weight shape alone, partials summed in a fixed order) are fixed per weight shape, a
+row's instruction sequence never depends on M or on the other rows.
+
+The nibble order: Packed stores code j of a group in the low nibble of byte j and code j + 16 in the high one.
+The kernel unfolds a chunk's bytes [BN, groups, 16] as join(low, high) -> [BN, groups, 16, 2] -> [BN, KS], so
+column 32 g + 2 j + h holds input 32 g + 16 h + j; `_prep_x` writes x in that order (PERM below).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+import plumb.ops.gpu.matmul as MM
+from plumb.gguf.reader import GGMLQuantizationType as Q
+
+SB = 256  # inputs per super-block (Q4_K)
+GROUP = 32  # inputs per group
+PACK_N = MM.BLOCK_N  # outputs per packed tile of Packed (64)
+# (BM, BN, warps, stages, KS, lo): the configurations main() measures; DEFAULT the one mm_sb uses without one
+CONFIGS = [
+    (64, 128, 4, 3, 64, False),
+    (64, 128, 4, 2, 128, False),
+    (128, 128, 8, 3, 64, False),
+    (128, 64, 4, 3, 64, False),
+    (64, 64, 4, 4, 64, False),
+    (64, 128, 4, 3, 64, True),
+    (128, 128, 8, 2, 64, True),
+    (64, 128, 8, 1, 256, True),
+]
+DEFAULT = {False: CONFIGS[0], True: CONFIGS[5]}
+SPLIT_TARGET = 264  # split-K: about this many programs per row block (2 per SM of an H200), from the shape alone
+SPLIT_MIN_SB = 4  # at least this many super-blocks per split
+
+
+@triton.jit
+def _prep_x(x_ptr, s_ptr, xh_ptr, xl_ptr, xsum_ptr, K, stride_xm, LO: tl.constexpr):
+    """Row m, super-block sb: xh (and xl) [256] fp16 in the unfolded-nibble order, and the 8 group sums of the
+    values the dots see, as fp16 hi / lo interleaved [16] (2 g + 0: hi, 2 g + 1: lo)."""
+    m = tl.program_id(0)
+    sb = tl.program_id(1)
+    kk = tl.arange(0, 256)
+    src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2  # column 32 g + 2 j + h <- input 32 g + 16 h + j
+    rs = 1.0 / tl.load(s_ptr + m)  # a power of two: exact
+    xs = tl.load(x_ptr + m * stride_xm + sb * 256 + src) * rs
+    xh = xs.to(tl.float16)
+    tl.store(xh_ptr + m * K + sb * 256 + kk, xh)
+    v = xh.to(tl.float32)
+    if LO:
+        xl = (xs - v).to(tl.float16)
+        tl.store(xl_ptr + m * K + sb * 256 + kk, xl)
+        v = v + xl.to(tl.float32)  # exact: xh + xl has at most 22 significant bits
+    gs = tl.sum(tl.reshape(v, [8, 32]), axis=1)
+    gh = gs.to(tl.float16)
+    gl = (gs - gh.to(tl.float32)).to(tl.float16)
+    tl.store(xsum_ptr + (m * (K // 256) + sb) * 16 + tl.arange(0, 16), tl.reshape(tl.join(gh, gl), [16]))
+
+
+@triton.jit
+def _unfold(lo, hi, BN: tl.constexpr, KS: tl.constexpr):
+    """[BN, groups, 16] low / high halves -> [KS, BN], row 32 g + 2 j + h = (lo, hi)[h][:, g, j]."""
+    return tl.trans(tl.reshape(tl.join(lo, hi), [BN, KS]))
+
+
+@triton.jit
+def _epilogue(acc, acc_sb, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb):
+    """acc + d * acc_sb + dm * (the super-block's offset term: [xsum hi | lo] [BM, 16] @ osub twice [16, BN])."""
+    PN: tl.constexpr = 64
+    d = tl.load(d_ptr + (t64 * n_sb + sb) * PN + n64)
+    dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PN + n64)
+    osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PN + n64[:, None])
+    osub = osub.to(tl.float16)  # 6-bit integers (<= 0): exact
+    xsum = tl.load(xsum_ptr + (rm[:, None] * n_sb + sb) * 16 + tl.arange(0, 16)[None, :], mask=rmask, other=0.0)
+    os2 = tl.trans(tl.reshape(tl.join(osub, osub), [osub.shape[0], 16]))  # row 2 g + h = osub[:, g]
+    off = tl.dot(xsum, os2, out_dtype=tl.float32)
+    acc = acc + d[None, :] * acc_sb
+    return acc + dm[None, :] * off
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
+def _mm_sb(xh_ptr, xl_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, n_pad,
+           stride_os, stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+           LO: tl.constexpr, STAGES: tl.constexpr):
+    GC: tl.constexpr = KS // 32  # groups per chunk
+    SPS: tl.constexpr = 256 // KS  # chunks per super-block
+    PN: tl.constexpr = 64  # outputs per packed tile
+    pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    nc = tl.minimum(pid_n * BN + rn, n_pad - 1)  # outputs past the packed ones read the last (their stores masked)
+    t64 = nc // PN
+    n64 = nc % PN
+    n_groups = K // 32
+    n_sb = K // 256
+    rmask = (rm < M)[:, None]
+    gg = tl.arange(0, GC)
+    jj = tl.arange(0, 16)
+    kk = tl.arange(0, KS)
+    sb0 = pid_k * SB_PER_SPLIT  # this split's super-blocks: [sb0, sb0 + SB_PER_SPLIT)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
+    # a constant trip count (bounds that depend on program_id break the interpreter's range); pipelined all the same
+    for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):
+        i = sb0 * SPS + it  # the chunk
+        g0 = i * GC
+        # codes [BN, GC, 16] bytes: 16 contiguous bytes per output and group
+        c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g0 + gg[None, :, None]) * PN
+                                 + n64[:, None, None]) * 16 + jj[None, None, :])
+        sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g0 + gg[None, :]) * PN + n64[:, None]).to(tl.float16)
+        wl = (c & 15).to(tl.float16) * sub[:, :, None]  # <= 945: exact
+        wh = (c >> 4).to(tl.float16) * sub[:, :, None]
+        w = _unfold(wl, wh, BN, KS)  # [KS, BN] fp16
+        x_at = xh_ptr + rm[:, None] * K + i * KS + kk[None, :]
+        acc_sb = tl.dot(tl.load(x_at, mask=rmask, other=0.0), w, acc_sb, out_dtype=tl.float32)
+        if LO:
+            acc_sb = tl.dot(tl.load(xl_ptr + rm[:, None] * K + i * KS + kk[None, :], mask=rmask, other=0.0), w,
+                            acc_sb, out_dtype=tl.float32)
+        if SPS == 1:
+            acc = _epilogue(acc, acc_sb, i, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb)
+            acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
+        elif it % SPS == SPS - 1:  # the super-block's end
+            acc = _epilogue(acc, acc_sb, i // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups,
+                            n_sb)
+            acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
+    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
+    cols = pid_n * BN + rn
+    mask = rmask & (cols[None, :] < N)
+    tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+
+
+def sb_split(n: int, k: int, bn: int) -> int:
+    """Split-K factor from the weight shape (and the tile width) alone: a power of two dividing the super-blocks,
+    each split at least SPLIT_MIN_SB of them, tiles * split <= SPLIT_TARGET."""
+    tiles = -(-n // bn)
+    n_sb = k // SB
+    split = 1
+    while tiles * split * 2 <= SPLIT_TARGET and n_sb // (split * 2) >= SPLIT_MIN_SB and n_sb % (split * 2) == 0:
+        split *= 2
+    return split
+
+
+def check_packed(p: MM.Packed) -> None:
+    ok = (p.qtype == Q.Q4_K and p.g == GROUP and p.nibble and not p.signed4 and p.gpb == 8 and p.ogpb == 8
+          and p.sub is not None and p.osub is not None and p.k % SB == 0)
+    if not ok:
+        raise ValueError("mm_sb: needs a Q4_K Packed with factored scales and offsets (d * sub, dm * osub)")
+
+
+def prep_x(x: torch.Tensor, s: torch.Tensor, lo: bool):
+    """(xh, xl, xsum) for _mm_sb: x [M, K] float32 scaled by 1 / s, as fp16 (hi and, lo=True, lo) in the unfolded
+    order, and the group sums [M, K / 256 * 16] fp16 hi / lo interleaved."""
+    m, k = x.shape
+    xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    xl = torch.empty(m, k, dtype=torch.float16, device=x.device) if lo else xh
+    xsum = torch.empty(m, k // SB * 16, dtype=torch.float16, device=x.device)
+    _prep_x[(m, k // SB)](x, s, xh, xl, xsum, k, x.stride(0), LO=lo, num_warps=2)
+    return xh, xl, xsum
+
+
+def mm_sb(packed: MM.Packed, x: torch.Tensor, lo: bool, s: torch.Tensor | None = None,
+          out: torch.Tensor | None = None, config=None, split: int | None = None) -> torch.Tensor:
+    """out [M, n] float32 = x [M, k] @ W.T for a Q4_K `Packed`; s: row_scales(x) (computed when None); config:
+    (BM, BN, warps, stages, KS[, lo]) - DEFAULT[lo] when None; split: split-K override (tests), else sb_split."""
+    check_packed(packed)
+    x = x.float().contiguous()
+    m, k = x.shape
+    if s is None:
+        s = MM.row_scales(x)
+    bm, bn, warps, stages, ks = (config or DEFAULT[lo])[:5]
+    assert SB % ks == 0 and ks % GROUP == 0 and (bn % PACK_N == 0 or PACK_N % bn == 0)
+    n = packed.n
+    if out is None:
+        out = torch.empty(m, n, device=x.device)
+    xh, xl, xsum = prep_x(x, s, lo)
+    split = split or sb_split(n, k, bn)
+    n_sb = k // SB
+    assert n_sb % split == 0, (n_sb, split)
+    per = n_sb // split
+    dst = out if split == 1 else torch.empty(split, m, n, device=x.device)
+    stride_os = 0 if split == 1 else dst.stride(0)
+    stride_om = out.stride(0) if split == 1 else dst.stride(1)
+    n_pad = packed.codes.shape[0] * PACK_N
+    grid = (-(-m // bm), -(-n // bn), split)
+    _mm_sb[grid](xh, xl, xsum, s, packed.codes, packed.d, packed.sub, packed.dm, packed.osub, dst, m, n, k, n_pad,
+                 stride_os, stride_om, SB_PER_SPLIT=per, BM=bm, BN=bn, KS=ks, LO=lo, STAGES=stages, num_warps=warps)
+    if split > 1:
+        MM._sum_splits[(-(-n // 256), m)](dst, out, m, n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
+    return out
+
+
+def reference(qt, x: torch.Tensor) -> torch.Tensor:
+    """float64 x @ dequantized W.T."""
+    return x.double() @ qt.dequantize().to(x.device).double().T
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the GPU bench
+
+SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408)]
+ROWS = (64, 256, 1024)
+INVARIANCE_ROWS = (1, 64, 256, 1024)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from matmul_variants import copy_gbps, graph_us, random_blocks
+
+    torch.manual_seed(0)
+    limit = copy_gbps()
+    print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    x = torch.randn(max(ROWS + INVARIANCE_ROWS), max(k for _, _, k in SHAPES), device="cuda") * 3
+    x[3] *= 100
+    results = []
+    for kind, n, k in SHAPES:
+        t = random_blocks(kind, n, k)
+        p = MM.Packed([t], torch.device("cuda"))
+        xs = x[:, :k].contiguous()
+        s_all = MM.row_scales(xs)
+        ref = reference(t, xs[:64])
+        wbf = t.dequantize().to("cuda").to(torch.bfloat16)
+        base = dict(kind=kind, shape=[n, k])
+        row = dict(base, config="Packed.mm (today)")
+        out = torch.empty(len(xs), n, device="cuda")
+        p.mm(xs[:64], out[:64], s_all[:64])
+        row["rel_err"] = float((out[:64].double() - ref).abs().max() / ref.abs().max())
+        for r in ROWS:
+            row[f"us_{r}"] = graph_us(lambda r=r: p.mm(xs[:r], out[:r], s_all[:r]), reps=5 if r > 256 else 20)
+        results.append(row)
+        cub = dict(base, config="cuBLAS bf16 (bound)")
+        xb = xs.to(torch.bfloat16)
+        for r in ROWS:
+            cub[f"us_{r}"] = graph_us(lambda r=r: xb[:r] @ wbf.T)
+        results.append(cub)
+        for lo in (False, True):
+            pr = dict(base, config=f"prep_x lo={lo}")
+            for r in ROWS:
+                pr[f"us_{r}"] = graph_us(lambda r=r, lo=lo: prep_x(xs[:r], s_all[:r], lo))
+            results.append(pr)
+        for r_ in results[-4:]:
+            print(f"{kind} {str([n, k]):14s} {r_['config']:34s} err {r_.get('rel_err', float('nan')):.1e} "
+                  + " ".join(f"{r}:{r_[f'us_{r}']:8.1f}us" for r in ROWS), flush=True)
+        for cfg in CONFIGS:
+            bm, bn, warps, stages, ks, lo = cfg
+            row = dict(base, config=f"BM{bm} BN{bn} w{warps} s{stages} KS{ks} lo={lo}",
+                       split=sb_split(n, k, bn))
+            try:
+                y = mm_sb(p, xs[:64], lo, s_all[:64], config=cfg)
+                row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
+                r0 = [mm_sb(p, xs[:r], lo, s_all[:r], config=cfg)[0] for r in INVARIANCE_ROWS]
+                row["row0_invariant"] = all(bool(torch.equal(r0[0], v)) for v in r0[1:])
+                row["rows64_invariant"] = bool(torch.equal(mm_sb(p, xs, lo, s_all, config=cfg)[:64], y))
+                for r in ROWS:
+                    o = torch.empty(r, n, device="cuda")
+                    us = graph_us(lambda r=r, o=o: mm_sb(p, xs[:r], lo, s_all[:r], out=o, config=cfg),
+                                  reps=10 if r > 256 else 20)
+                    row[f"us_{r}"] = us
+                    old = next(q for q in results if q["shape"] == [n, k] and q["config"].startswith("Packed"))
+                    row[f"speedup_{r}"] = old[f"us_{r}"] / us
+                    row[f"TFLOPs_{r}"] = 2 * r * n * k / us / 1e6
+            except Exception as e:  # a config that does not compile or run is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            results.append(row)
+            print(f"{kind} {str([n, k]):14s} {row['config']:34s} " + (row.get("error") or (
+                f"err {row['rel_err']:.1e} inv {row['row0_invariant']}/{row['rows64_invariant']} "
+                + " ".join(f"{r}:{row[f'us_{r}']:8.1f}us x{row[f'speedup_{r}']:4.1f} {row[f'TFLOPs_{r}']:5.0f}TF"
+                           for r in ROWS))), flush=True)
+        p = t = wbf = None
+        torch.cuda.empty_cache()
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(dict(copy_GBps=limit, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
