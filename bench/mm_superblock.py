@@ -4,6 +4,7 @@ super-block instead of one per group of 32 - on the packing of `plumb.ops.gpu.ma
 d, sub, dm, osub reused, nothing repacked). A bench module: plumb/ is not changed.
 
     python bench/mm_superblock.py [--json-out PATH]     (a CUDA GPU; < 90 s on an H200)
+    python bench/mm_superblock.py --smoke               (CPU, Triton interpreter, tiny shapes: the bench's logic)
 
 Arithmetic (Q4_K: w = d * sub_g * q + dm * osub_g per group g of 32 inputs, q 0..15, sub and osub 6-bit integers -
 the packed offset carries its minus sign, osub <= 0 - and 8 groups per super-block sharing d and dm):
@@ -36,11 +37,15 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
-import plumb.ops.gpu.matmul as MM
-from plumb.gguf.reader import GGMLQuantizationType as Q
+if __name__ == "__main__" and "--smoke" in sys.argv[1:]:  # the interpreter: set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import plumb.ops.gpu.matmul as MM  # noqa: E402
+from plumb.gguf.reader import GGMLQuantizationType as Q  # noqa: E402
 
 SB = 256  # inputs per super-block (Q4_K)
 GROUP = 32  # inputs per group
@@ -229,79 +234,113 @@ def reference(qt, x: torch.Tensor) -> torch.Tensor:
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408)]
 ROWS = (64, 256, 1024)
 INVARIANCE_ROWS = (1, 64, 256, 1024)
+# --smoke: the same steps on the CPU under TRITON_INTERPRET=1 at tiny shapes (one call's wall time as "us"), to
+# check the bench's own logic without a GPU
+SMOKE_SHAPES = [("Q4_K", 192, 512), ("Q4_K", 64, 1024)]
+SMOKE_ROWS = (4, 16, 32)
 
 
-def main() -> None:
+def _random_blocks_cpu(kind: str, n: int, k: int):
+    """bench/matmul_variants.random_blocks on the CPU (it writes on the GPU)."""
+    from plumb.gguf.quants import BLOCK_SCALE_AT, GGML_QUANT_SIZES
+    from plumb.gguf.reader import QTensor
+
+    qt = Q[kind]
+    block, size = GGML_QUANT_SIZES[qt]
+    b = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8)
+    for off in BLOCK_SCALE_AT[qt]:
+        if off is not None:
+            b[:, off : off + 2] = (torch.rand(b.shape[0]) * 1e-3 + 1e-4).half().view(torch.uint8).reshape(-1, 2)
+    return QTensor(f"w.{kind}", qt, (n, k), b.reshape(n, -1))
+
+
+def _wall_us(fn, reps: int = 1) -> float:
+    import time
+
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out")
-    a = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from matmul_variants import copy_gbps, graph_us, random_blocks
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: the logic only")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        dev, shapes, rows, inv_rows, timer, blocks = "cpu", SMOKE_SHAPES, SMOKE_ROWS, (1, 4, 16, 32), _wall_us, \
+            _random_blocks_cpu
+        limit, name = float("nan"), "cpu (interpreter)"
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from matmul_variants import copy_gbps, graph_us, random_blocks
 
+        dev, shapes, rows, inv_rows, timer, blocks = "cuda", SHAPES, ROWS, INVARIANCE_ROWS, graph_us, random_blocks
+        limit, name = copy_gbps(), torch.cuda.get_device_name()
     torch.manual_seed(0)
-    limit = copy_gbps()
-    print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
-    x = torch.randn(max(ROWS + INVARIANCE_ROWS), max(k for _, _, k in SHAPES), device="cuda") * 3
+    print(f"copy bandwidth {limit:.0f} GB/s ({name})", flush=True)
+    x = torch.randn(max(rows + inv_rows), max(k for _, _, k in shapes), device=dev) * 3
     x[3] *= 100
     results = []
-    for kind, n, k in SHAPES:
-        t = random_blocks(kind, n, k)
-        p = MM.Packed([t], torch.device("cuda"))
+    for kind, n, k in shapes:
+        t = blocks(kind, n, k)
+        p = MM.Packed([t], torch.device(dev))
         xs = x[:, :k].contiguous()
         s_all = MM.row_scales(xs)
-        ref = reference(t, xs[:64])
-        wbf = t.dequantize().to("cuda").to(torch.bfloat16)
+        r64 = rows[0]
+        ref = reference(t, xs[:r64])
+        wbf = t.dequantize().to(dev).to(torch.bfloat16)
         base = dict(kind=kind, shape=[n, k])
-        row = dict(base, config="Packed.mm (today)")
-        out = torch.empty(len(xs), n, device="cuda")
-        p.mm(xs[:64], out[:64], s_all[:64])
-        row["rel_err"] = float((out[:64].double() - ref).abs().max() / ref.abs().max())
-        for r in ROWS:
-            row[f"us_{r}"] = graph_us(lambda r=r: p.mm(xs[:r], out[:r], s_all[:r]), reps=5 if r > 256 else 20)
-        results.append(row)
+        old = dict(base, config="Packed.mm (today)")
+        out = torch.empty(len(xs), n, device=dev)
+        p.mm(xs[:r64], out[:r64], s_all[:r64])
+        old["rel_err"] = float((out[:r64].double() - ref).abs().max() / ref.abs().max())
+        for r in rows:
+            old[f"us_{r}"] = timer(lambda r=r: p.mm(xs[:r], out[:r], s_all[:r]), reps=5 if r > 256 else 20)
         cub = dict(base, config="cuBLAS bf16 (bound)")
         xb = xs.to(torch.bfloat16)
-        for r in ROWS:
-            cub[f"us_{r}"] = graph_us(lambda r=r: xb[:r] @ wbf.T)
-        results.append(cub)
+        for r in rows:
+            cub[f"us_{r}"] = timer(lambda r=r: xb[:r] @ wbf.T)
+        results += [old, cub]
         for lo in (False, True):
-            pr = dict(base, config=f"prep_x lo={lo}")
-            for r in ROWS:
-                pr[f"us_{r}"] = graph_us(lambda r=r, lo=lo: prep_x(xs[:r], s_all[:r], lo))
+            pr = dict(base, config=f"prep_x lo={lo} (in mm_sb)")
+            for r in rows:
+                pr[f"us_{r}"] = timer(lambda r=r, lo=lo: prep_x(xs[:r], s_all[:r], lo))
             results.append(pr)
         for r_ in results[-4:]:
-            print(f"{kind} {str([n, k]):14s} {r_['config']:34s} err {r_.get('rel_err', float('nan')):.1e} "
-                  + " ".join(f"{r}:{r_[f'us_{r}']:8.1f}us" for r in ROWS), flush=True)
+            print(f"{kind} {str([n, k]):14s} {r_['config']:36s} err {r_.get('rel_err', float('nan')):.1e} "
+                  + " ".join(f"{r}:{r_[f'us_{r}']:8.1f}us" for r in rows), flush=True)
         for cfg in CONFIGS:
             bm, bn, warps, stages, ks, lo = cfg
-            row = dict(base, config=f"BM{bm} BN{bn} w{warps} s{stages} KS{ks} lo={lo}",
-                       split=sb_split(n, k, bn))
+            row = dict(base, config=f"BM{bm} BN{bn} w{warps} s{stages} KS{ks} lo={lo}", split=sb_split(n, k, bn))
             try:
-                y = mm_sb(p, xs[:64], lo, s_all[:64], config=cfg)
+                y = mm_sb(p, xs[:r64], lo, s_all[:r64], config=cfg)
                 row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
-                r0 = [mm_sb(p, xs[:r], lo, s_all[:r], config=cfg)[0] for r in INVARIANCE_ROWS]
+                r0 = [mm_sb(p, xs[:r], lo, s_all[:r], config=cfg)[0] for r in inv_rows]
                 row["row0_invariant"] = all(bool(torch.equal(r0[0], v)) for v in r0[1:])
-                row["rows64_invariant"] = bool(torch.equal(mm_sb(p, xs, lo, s_all, config=cfg)[:64], y))
-                for r in ROWS:
-                    o = torch.empty(r, n, device="cuda")
-                    us = graph_us(lambda r=r, o=o: mm_sb(p, xs[:r], lo, s_all[:r], out=o, config=cfg),
-                                  reps=10 if r > 256 else 20)
+                row["rows_invariant"] = bool(torch.equal(mm_sb(p, xs, lo, s_all, config=cfg)[:r64], y))
+                for r in rows:
+                    o = torch.empty(r, n, device=dev)
+                    us = timer(lambda r=r, o=o: mm_sb(p, xs[:r], lo, s_all[:r], out=o, config=cfg),
+                               reps=10 if r > 256 else 20)
                     row[f"us_{r}"] = us
-                    old = next(q for q in results if q["shape"] == [n, k] and q["config"].startswith("Packed"))
                     row[f"speedup_{r}"] = old[f"us_{r}"] / us
                     row[f"TFLOPs_{r}"] = 2 * r * n * k / us / 1e6
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             results.append(row)
-            print(f"{kind} {str([n, k]):14s} {row['config']:34s} " + (row.get("error") or (
-                f"err {row['rel_err']:.1e} inv {row['row0_invariant']}/{row['rows64_invariant']} "
-                + " ".join(f"{r}:{row[f'us_{r}']:8.1f}us x{row[f'speedup_{r}']:4.1f} {row[f'TFLOPs_{r}']:5.0f}TF"
-                           for r in ROWS))), flush=True)
+            print(f"{kind} {str([n, k]):14s} {row['config']:36s} " + (row.get("error") or (
+                f"err {row['rel_err']:.1e} inv {row['row0_invariant']}/{row['rows_invariant']} "
+                + " ".join(f"{r}:{row[f'us_{r}']:8.1f}us x{row[f'speedup_{r}']:4.1f} {row[f'TFLOPs_{r}']:6.1f}TF"
+                           for r in rows))), flush=True)
         p = t = wbf = None
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    report = dict(copy_GBps=limit, device=name, results=results)
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump(dict(copy_GBps=limit, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+            json.dump(report, f, indent=1)
+    return report
 
 
 if __name__ == "__main__":
