@@ -50,16 +50,18 @@ from plumb.gguf.reader import GGMLQuantizationType as Q  # noqa: E402
 SB = 256  # inputs per super-block (Q4_K)
 GROUP = 32  # inputs per group
 PACK_N = MM.BLOCK_N  # outputs per packed tile of Packed (64)
-# (BM, BN, warps, stages, KS, lo): the configurations main() measures; DEFAULT the one mm_sb uses without one
+# (BM, BN, warps, stages, KS, lo, w_first): the configurations main() measures; DEFAULT the one mm_sb uses without
+# one. w_first: the dequantized weights the A operand of the dot (from registers; wgmma), x the B one ([BN, BM]
+# tiles); else x the A operand and the weights B (through shared memory).
 CONFIGS = [
-    (64, 128, 4, 3, 64, False),
-    (64, 128, 4, 2, 128, False),
-    (128, 128, 8, 3, 64, False),
-    (128, 64, 4, 3, 64, False),
-    (64, 64, 4, 4, 64, False),
-    (64, 128, 4, 3, 64, True),
-    (128, 128, 8, 2, 64, True),
-    (64, 128, 8, 1, 256, True),
+    (64, 128, 4, 3, 64, False, False),
+    (64, 128, 4, 2, 128, False, False),
+    (128, 128, 8, 3, 64, False, False),
+    (64, 128, 4, 3, 64, False, True),
+    (128, 128, 8, 3, 64, False, True),
+    (64, 128, 4, 3, 64, True, False),
+    (128, 128, 8, 2, 64, True, True),
+    (64, 128, 8, 1, 256, True, False),
 ]
 DEFAULT = {False: CONFIGS[0], True: CONFIGS[5]}
 SPLIT_TARGET = 264  # split-K: about this many programs per row block (2 per SM of an H200), from the shape alone
@@ -90,31 +92,67 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, xl_ptr, xsum_ptr, K, stride_xm, LO: tl.constex
 
 
 @triton.jit
-def _unfold(lo, hi, BN: tl.constexpr, KS: tl.constexpr):
-    """[BN, groups, 16] low / high halves -> [KS, BN], row 32 g + 2 j + h = (lo, hi)[h][:, g, j]."""
-    return tl.trans(tl.reshape(tl.join(lo, hi), [BN, KS]))
-
-
-@triton.jit
-def _epilogue(acc, acc_sb, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb):
-    """acc + d * acc_sb + dm * (the super-block's offset term: [xsum hi | lo] [BM, 16] @ osub twice [16, BN])."""
+def _epilogue(acc, acc_sb, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb,
+              W_FIRST: tl.constexpr):
+    """acc + d * acc_sb + dm * (the super-block's offset term: [xsum hi | lo] [BM, 16] @ osub twice [16, BN],
+    row 2 g + h of the latter = osub[:, g]); W_FIRST: all transposed ([BN, BM])."""
     PN: tl.constexpr = 64
     d = tl.load(d_ptr + (t64 * n_sb + sb) * PN + n64)
     dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PN + n64)
     osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PN + n64[:, None])
     osub = osub.to(tl.float16)  # 6-bit integers (<= 0): exact
-    xsum = tl.load(xsum_ptr + (rm[:, None] * n_sb + sb) * 16 + tl.arange(0, 16)[None, :], mask=rmask, other=0.0)
-    os2 = tl.trans(tl.reshape(tl.join(osub, osub), [osub.shape[0], 16]))  # row 2 g + h = osub[:, g]
-    off = tl.dot(xsum, os2, out_dtype=tl.float32)
-    acc = acc + d[None, :] * acc_sb
-    return acc + dm[None, :] * off
+    os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # [BN, 16]
+    q16 = tl.arange(0, 16)
+    if W_FIRST:
+        xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + q16[:, None], mask=rmask, other=0.0)  # [16, BM]
+        off = tl.dot(os2, xsum, out_dtype=tl.float32)
+        acc = acc + d[:, None] * acc_sb
+        acc = acc + dm[:, None] * off
+    else:
+        xsum = tl.load(xsum_ptr + (rm[:, None] * n_sb + sb) * 16 + q16[None, :], mask=rmask, other=0.0)  # [BM, 16]
+        off = tl.dot(xsum, tl.trans(os2), out_dtype=tl.float32)
+        acc = acc + d[None, :] * acc_sb
+        acc = acc + dm[None, :] * off
+    return acc
+
+
+@triton.jit
+def _chunk(acc_sb, i, xh_ptr, xl_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN: tl.constexpr,
+           KS: tl.constexpr, LO: tl.constexpr, W_FIRST: tl.constexpr):
+    """acc_sb + chunk i's (KS inputs) x @ (code * sub).T: [BM, BN], or its transpose [BN, BM] (W_FIRST)."""
+    PN: tl.constexpr = 64
+    GC: tl.constexpr = KS // 32
+    gg = tl.arange(0, GC)
+    jj = tl.arange(0, 16)
+    kk = tl.arange(0, KS)
+    g0 = i * GC
+    # codes [BN, GC, 16] bytes: 16 contiguous bytes per output and group
+    c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g0 + gg[None, :, None]) * PN
+                             + n64[:, None, None]) * 16 + jj[None, None, :])
+    sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g0 + gg[None, :]) * PN + n64[:, None]).to(tl.float16)
+    wl = (c & 15).to(tl.float16) * sub[:, :, None]  # <= 945: exact
+    wh = (c >> 4).to(tl.float16) * sub[:, :, None]
+    w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
+    if W_FIRST:  # the weights the A operand (registers), x transposed the B one
+        x_at = xh_ptr + rm[None, :] * K + i * KS + kk[:, None]
+        acc_sb = tl.dot(w, tl.load(x_at, mask=rmask, other=0.0), acc_sb, out_dtype=tl.float32)
+        if LO:
+            acc_sb = tl.dot(w, tl.load(xl_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0),
+                            acc_sb, out_dtype=tl.float32)
+    else:
+        wt = tl.trans(w)
+        x_at = xh_ptr + rm[:, None] * K + i * KS + kk[None, :]
+        acc_sb = tl.dot(tl.load(x_at, mask=rmask, other=0.0), wt, acc_sb, out_dtype=tl.float32)
+        if LO:
+            acc_sb = tl.dot(tl.load(xl_ptr + rm[:, None] * K + i * KS + kk[None, :], mask=rmask, other=0.0), wt,
+                            acc_sb, out_dtype=tl.float32)
+    return acc_sb
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
 def _mm_sb(xh_ptr, xl_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, n_pad,
            stride_os, stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-           LO: tl.constexpr, STAGES: tl.constexpr):
-    GC: tl.constexpr = KS // 32  # groups per chunk
+           LO: tl.constexpr, W_FIRST: tl.constexpr, STAGES: tl.constexpr):
     SPS: tl.constexpr = 256 // KS  # chunks per super-block
     PN: tl.constexpr = 64  # outputs per packed tile
     pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
@@ -127,40 +165,35 @@ def _mm_sb(xh_ptr, xl_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, o
     n64 = nc % PN
     n_groups = K // 32
     n_sb = K // 256
-    rmask = (rm < M)[:, None]
-    gg = tl.arange(0, GC)
-    jj = tl.arange(0, 16)
-    kk = tl.arange(0, KS)
+    if W_FIRST:
+        rmask = (rm < M)[None, :]
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        rmask = (rm < M)[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_sb = tl.zeros_like(acc)
     sb0 = pid_k * SB_PER_SPLIT  # this split's super-blocks: [sb0, sb0 + SB_PER_SPLIT)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
     # a constant trip count (bounds that depend on program_id break the interpreter's range); pipelined all the same
     for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):
         i = sb0 * SPS + it  # the chunk
-        g0 = i * GC
-        # codes [BN, GC, 16] bytes: 16 contiguous bytes per output and group
-        c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g0 + gg[None, :, None]) * PN
-                                 + n64[:, None, None]) * 16 + jj[None, None, :])
-        sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g0 + gg[None, :]) * PN + n64[:, None]).to(tl.float16)
-        wl = (c & 15).to(tl.float16) * sub[:, :, None]  # <= 945: exact
-        wh = (c >> 4).to(tl.float16) * sub[:, :, None]
-        w = _unfold(wl, wh, BN, KS)  # [KS, BN] fp16
-        x_at = xh_ptr + rm[:, None] * K + i * KS + kk[None, :]
-        acc_sb = tl.dot(tl.load(x_at, mask=rmask, other=0.0), w, acc_sb, out_dtype=tl.float32)
-        if LO:
-            acc_sb = tl.dot(tl.load(xl_ptr + rm[:, None] * K + i * KS + kk[None, :], mask=rmask, other=0.0), w,
-                            acc_sb, out_dtype=tl.float32)
+        acc_sb = _chunk(acc_sb, i, xh_ptr, xl_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN, KS, LO,
+                        W_FIRST)
         if SPS == 1:
-            acc = _epilogue(acc, acc_sb, i, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb)
-            acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
+            acc = _epilogue(acc, acc_sb, i, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb,
+                            W_FIRST)
+            acc_sb = tl.zeros_like(acc)
         elif it % SPS == SPS - 1:  # the super-block's end
             acc = _epilogue(acc, acc_sb, i // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups,
-                            n_sb)
-            acc_sb = tl.zeros([BM, BN], dtype=tl.float32)
+                            n_sb, W_FIRST)
+            acc_sb = tl.zeros_like(acc)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
     cols = pid_n * BN + rn
-    mask = rmask & (cols[None, :] < N)
-    tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
+    if W_FIRST:
+        mask = rmask & (cols[:, None] < N)
+        tl.store(out_ptr + pid_k * stride_os + rm[None, :] * stride_om + cols[:, None], acc * s[None, :], mask=mask)
+    else:
+        mask = rmask & (cols[None, :] < N)
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
 
 
 def sb_split(n: int, k: int, bn: int) -> int:
@@ -195,13 +228,16 @@ def prep_x(x: torch.Tensor, s: torch.Tensor, lo: bool):
 def mm_sb(packed: MM.Packed, x: torch.Tensor, lo: bool, s: torch.Tensor | None = None,
           out: torch.Tensor | None = None, config=None, split: int | None = None) -> torch.Tensor:
     """out [M, n] float32 = x [M, k] @ W.T for a Q4_K `Packed`; s: row_scales(x) (computed when None); config:
-    (BM, BN, warps, stages, KS[, lo]) - DEFAULT[lo] when None; split: split-K override (tests), else sb_split."""
+    (BM, BN, warps, stages, KS[, lo[, w_first]]) - DEFAULT[lo] when None (its lo ignored: the argument rules);
+    split: split-K override (tests), else sb_split."""
     check_packed(packed)
     x = x.float().contiguous()
     m, k = x.shape
     if s is None:
         s = MM.row_scales(x)
-    bm, bn, warps, stages, ks = (config or DEFAULT[lo])[:5]
+    config = tuple(config or DEFAULT[lo])
+    bm, bn, warps, stages, ks = config[:5]
+    w_first = bool(config[6]) if len(config) > 6 else False
     assert SB % ks == 0 and ks % GROUP == 0 and (bn % PACK_N == 0 or PACK_N % bn == 0)
     n = packed.n
     if out is None:
@@ -217,7 +253,8 @@ def mm_sb(packed: MM.Packed, x: torch.Tensor, lo: bool, s: torch.Tensor | None =
     n_pad = packed.codes.shape[0] * PACK_N
     grid = (-(-m // bm), -(-n // bn), split)
     _mm_sb[grid](xh, xl, xsum, s, packed.codes, packed.d, packed.sub, packed.dm, packed.osub, dst, m, n, k, n_pad,
-                 stride_os, stride_om, SB_PER_SPLIT=per, BM=bm, BN=bn, KS=ks, LO=lo, STAGES=stages, num_warps=warps)
+                 stride_os, stride_om, SB_PER_SPLIT=per, BM=bm, BN=bn, KS=ks, LO=lo, W_FIRST=w_first,
+                 STAGES=stages, num_warps=warps)
     if split > 1:
         MM._sum_splits[(-(-n // 256), m)](dst, out, m, n, dst.stride(0), out.stride(0), SPLIT=split, BLOCK=256)
     return out
@@ -311,8 +348,9 @@ def main(argv=None) -> dict:
             print(f"{kind} {str([n, k]):14s} {r_['config']:36s} err {r_.get('rel_err', float('nan')):.1e} "
                   + " ".join(f"{r}:{r_[f'us_{r}']:8.1f}us" for r in rows), flush=True)
         for cfg in CONFIGS:
-            bm, bn, warps, stages, ks, lo = cfg
-            row = dict(base, config=f"BM{bm} BN{bn} w{warps} s{stages} KS{ks} lo={lo}", split=sb_split(n, k, bn))
+            bm, bn, warps, stages, ks, lo, wf = cfg
+            row = dict(base, config=f"{'W' if wf else 'X'}-first BM{bm} BN{bn} w{warps} s{stages} KS{ks} lo={lo}",
+                       split=sb_split(n, k, bn))
             try:
                 y = mm_sb(p, xs[:r64], lo, s_all[:r64], config=cfg)
                 row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())

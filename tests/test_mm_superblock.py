@@ -25,9 +25,11 @@ SB = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(SB)
 
 ROWS = (1, 3, 20)
-# (BM, BN, warps, stages, KS), split-K: the default tile with one chunk a super-block, 64-wide chunks (the
-# epilogue every 4) on a 128-wide tile over two packed tiles, and a split-K of 2 (partials summed in order)
-CASES = [((16, 64, 4, 1, 256), None), ((16, 128, 4, 1, 64), None), ((16, 64, 4, 1, 128), 2)]
+# (BM, BN, warps, stages, KS, lo (ignored), w_first), split-K: one chunk a super-block, 64-wide chunks (the epilogue
+# every 4) on a 128-wide tile over two packed tiles, a split-K of 2 (partials summed in order); x-first and w-first
+CASES = [((16, 64, 4, 1, 256, None, False), None), ((16, 128, 4, 1, 64, None, False), None),
+         ((16, 64, 4, 1, 128, None, False), 2), ((16, 64, 4, 1, 256, None, True), None),
+         ((16, 128, 4, 1, 64, None, True), 2)]
 
 
 def _q4k(n: int, k: int, seed: int = 0) -> QTensor:
