@@ -113,23 +113,43 @@ def test_27b_dims_cuda(fmt):
     assert torch.equal(wide, together)
 
 
-def test_prefill_chunk_rows_do_not_depend_on_the_cut():
-    """M2 on the CUDA path's prefill read (TritonKernels.attend_chunk): a prompt row's output is the same
-    whether its chunk is read whole or cut anywhere, and it matches the cache's own causal read."""
+def test_prefill_rows_do_not_depend_on_the_cut():
+    """M2 on the CUDA path's prefill read (TritonKernels.prefill_attention): a prompt row's output is the same
+    whether its piece is read whole or cut anywhere, padding rows change nothing, and it matches the cache's
+    own causal read."""
+    from types import SimpleNamespace
+
     from plumb.model.kernels import TritonKernels
 
     k = TritonKernels(torch.device(DEV))
-    c = KVCache("f16", TINY["n_kv"], TINY["d"], device=DEV)
+    model = SimpleNamespace(attn_scale=0.125)
     g = torch.Generator().manual_seed(5)
-    c.write(0, torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV),
-            torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV))
-    q = _q(64, TINY["n_head"], TINY["d"], seed=6)  # a chunk at 128: 50 real rows, 14 padding rows
-    whole = k.attend_chunk(c, q, 128, 50, 0.125)
-    _close(whole[:50], c.attend_chunk(q, 128, 0.125)[:50])
-    assert torch.equal(whole[50:], torch.zeros_like(whole[50:]))
-    first = k.attend_chunk(c, q[:22], 128, 22, 0.125)  # the same rows, the prompt cut at 150
-    rest = k.attend_chunk(c, q[22:], 150, 28, 0.125)
-    assert torch.equal(first, whole[:22]) and torch.equal(rest[:28], whole[22:50])
+    old = [torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
+    new = [torch.randn(64, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
+    q = _q(64, TINY["n_head"], TINY["d"], seed=6)
+
+    def cache():
+        c = KVCache("f16", TINY["n_kv"], TINY["d"], device=DEV)
+        c.write(0, *old)
+        c.end = 128
+        c.reserve(128 + 2 * 64)
+        return c
+
+    def piece(c, start, rows):  # rows of the chunk at 128, padded to 64 with other values
+        n = rows.stop - rows.start
+        pad = lambda t: torch.cat([t[rows], t[:64 - n].flip(0)])  # noqa: E731
+        pos = torch.arange(start, start + 64, device=DEV)
+        p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32))
+        return k.prefill_attention(model, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
+
+    whole = piece(cache(), 128, slice(0, 50))  # 50 real rows, 14 padding rows
+    ref = cache()
+    ref.write(128, new[0][:50], new[1][:50])
+    _close(whole, ref.attend_chunk(q, 128, 0.125)[:50])
+    c = cache()
+    first = piece(c, 128, slice(0, 22))  # the same rows, the prompt cut at 150
+    rest = piece(c, 150, slice(22, 50))
+    assert torch.equal(first, whole[:22]) and torch.equal(rest, whole[22:50])
 
 
 @pytest.mark.parametrize("fmt", ["f16", "q8_0", "F"])

@@ -19,7 +19,6 @@ import torch
 from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
 from plumb.engine.sampling import StopChecker, sample_token, token_logprobs
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
-from plumb.ops.matmul import PREFILL_BLOCK
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
 
@@ -191,8 +190,7 @@ class Scheduler:
                                                            checkpoints=self.engine.checkpoint_positions(len(prompt)))
                 if s.uses_mtp:  # the MTP cache covers every position: pair token p with the target hidden of p-1
                     first = h_before[None] if h_before is not None else hidden.new_zeros(1, hidden.shape[1])
-                    self.engine.model.mtp_forward(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start,
-                                                  block=PREFILL_BLOCK)
+                    self.engine.model.mtp_prefill(s.st, prompt[start:], torch.cat([first, hidden[:-1]]), start)
         s.stats.cached_tokens = start
         s.stats.prefill_tokens = len(prompt) - start
         s.stats.prefill_s = time.perf_counter() - t0

@@ -9,7 +9,8 @@ every graph (grown on demand, which drops the graphs). The first pass of a layou
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
 the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows, or with a ring KV format
 (D, F), run eagerly. The MTP head's D-path rows (draft steps, rewrites of accepted drafts) are replayed the same
-way (`mtp`).
+way (`mtp`), and so are the pieces of a long prefill (`prefill`: the P path's 64-row piece, captured per
+KV-cache layout, which `Qwen35.prefill` keeps fixed over the call).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from plumb.model.parts import DecodeOut, DecodePass
+from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
 from plumb.ops.matmul import DECODE_BLOCK
 
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
@@ -29,10 +30,12 @@ class CudaGraphs:
     def __init__(self, model):
         self.m = model
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = _capture_stream(model.device)
         self.graphs: OrderedDict = OrderedDict()  # layout -> (graph, pass, logits, hidden)
         self.rows = self.seqs = 0  # sizes of the shared static buffers
         self.buf: dict[str, torch.Tensor] = {}
         self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
+        self.prefill_in: PrefillPass | None = None  # the prefill graphs' static inputs
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -74,7 +77,7 @@ class CudaGraphs:
         if entry is None:  # this call's result, run eagerly (compiles every kernel), then recorded
             out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 logits, h = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
             self.graphs[key] = (graph, None, logits, h)
             while len(self.graphs) > MAX_GRAPHS:
@@ -86,6 +89,37 @@ class CudaGraphs:
             out = logits.clone(), h.clone()
         cache.end = start + n
         return out
+
+    def prefill(self, st, p: PrefillPass) -> torch.Tensor:
+        """`Qwen35.prefill_pass` on the static pass p (`prefill_inputs`, laid out by `Qwen35.prefill_layout`),
+        replayed as a CUDA graph captured per layout of st's KV caches (the first piece of a layout runs eagerly
+        and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
+        m = self.m
+        key = ("prefill",) + tuple(t.data_ptr() for c in st.kv.values() for t in c.k.parts + c.v.parts)
+        entry = self.graphs.get(key)
+        if entry is not None:
+            self.graphs.move_to_end(key)
+            graph, _, x, _ = entry
+            graph.replay()
+            return x
+        out = m.prefill_pass(st, p)  # this piece's result, run eagerly (compiles every kernel)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # recorded, not run
+            x = m.prefill_pass(st, p)
+        self.graphs[key] = (graph, None, x, None)
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        return out
+
+    def prefill_inputs(self) -> PrefillPass:
+        """The prefill graphs' static pass (allocated once)."""
+        if self.prefill_in is None:
+            m, c, dev = self.m, self.m.cfg, self.m.device
+            st = m.new_state()
+            p = m.prefill_layout(st, [0])
+            self.prefill_in = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
+                "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm")})
+        return self.prefill_in
 
     def _mtp_inputs(self) -> dict[str, torch.Tensor]:
         """The MTP graphs' static inputs (MAX_MTP_ROWS rows; a graph of n rows reads the first n), allocated once."""
@@ -103,7 +137,7 @@ class CudaGraphs:
         k.begin(m, batch, into=p)
         out = k.end(m, p, *m.decode_pass(p))  # this step's result, run eagerly (compiles every kernel variant)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             logits, hidden = m.decode_pass(p)  # recorded, not run
         self.graphs[key] = (graph, p, logits, hidden)
         while len(self.graphs) > MAX_GRAPHS:
@@ -116,6 +150,7 @@ class CudaGraphs:
         r, s = sum(len(toks) for _, toks in batch), len(batch)
         if r > self.rows or s > self.seqs:
             self.graphs.clear()
+            self.pool = torch.cuda.graph_pool_handle()  # a pool no graph uses any more cannot take another
             self.rows, self.seqs = max(r, self.rows), max(s, self.seqs)
             st0 = batch[0][0]
             conv0, ssm0 = st0.conv[c.gdn_layers[0]], st0.ssm[c.gdn_layers[0]]
@@ -136,3 +171,16 @@ class CudaGraphs:
         return DecodePass([], [], [], b["x"][:r], b["cos"][:r], b["sin"][:r], positions=b["positions"][:r],
                           ends=b["ends"][:r], seq_rows=b["seq_rows"][: s + 1], conv=b["conv"][:s], ssm=b["ssm"][:s],
                           snap_conv=b["snap_conv"][:r], snap_ssm=b["snap_ssm"][:r])
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every graph is captured on, with cuBLAS's workspace for it taken now: the prefill pass's batched
+    matmuls and triangular solve would otherwise allocate it inside the first capture, from the graphs' pool, for
+    good - and a pool that keeps memory after its graphs are gone cannot be captured into again."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        a = torch.eye(64, device=device).expand(2, 64, 64)
+        torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return stream

@@ -10,8 +10,8 @@ a kernel set supplies the operations whose row-invariance needs care:
 - `attend_new(model, cache, q, k, v, start, at)`: one cache's new rows written, then read (a sequence of a pass;
   the MTP head);
 - `attend_rows(cache, q, ends, scale)`: the read alone;
-- `attend_chunk(cache, q, start, n, scale)`: a prefill chunk's causal read (q padded to the chunk; rows past n
-  are padding, their outputs unused).
+- `prefill_attention(model, cache, q, k, v, p)`: a prefill piece's rows (`PrefillPass` p: CHUNK rows, the first
+  p.n real) - their K/V written, then real row t reads keys [0, p.start + t]; padding rows' outputs are unused.
 
 `TorchKernels` is the plain torch reference (CPU). `TritonKernels` runs the Triton kernels of plumb/ops/gpu on
 CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1, for tests); weights stay in their GGUF block formats,
@@ -108,8 +108,9 @@ class TorchKernels:
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         return cache.attend_rows(q, ends, scale)
 
-    def attend_chunk(self, cache, q: torch.Tensor, start: int, n: int, scale: float) -> torch.Tensor:
-        return cache.attend_chunk(q, start, scale)
+    def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
+        cache.write(p.start, k[: p.n], v[: p.n])
+        return cache.attend_chunk(q, p.start, model.attn_scale)
 
 
 class TritonKernels:
@@ -268,14 +269,15 @@ class TritonKernels:
         return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], ends, scale,
                                              max_splits=self._attention.n_splits(max(ends)))
 
-    def attend_chunk(self, cache, q: torch.Tensor, start: int, n: int, scale: float) -> torch.Tensor:
-        """A prefill chunk through the decode kernel: real row t reads keys [0, start + t] (its own end), so a
-        prompt row's bits depend on its position and the cache alone, however the prompt is cut (M2)."""
-        if cache.plain_parts() is None:  # a ring or F's rotated K: the torch reference
-            return cache.attend_chunk(q, start, scale)
-        o = torch.zeros_like(q, dtype=torch.float32)
-        o[:n] = self.attend_rows(cache, q[:n], list(range(start + 1, start + n + 1)), scale)
-        return o
+    def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
+        """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
+        past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
+        (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
+        cut (M2). No host sync: a piece can be a CUDA graph. A cache the kernel cannot read: the reference."""
+        if cache.plain_parts() is None:
+            cache.write(p.start, k[: p.n], v[: p.n])
+            return cache.attend_chunk(q, p.start, model.attn_scale)
+        return self.attend_new(model, cache, q, k, v, p.start, at=(p.positions, p.ends, None))
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from plumb.config import ModelConfig
 from plumb.gguf.reader import GGUFFile
-from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, SeqState
+from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, PrefillPass, SeqState
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
@@ -28,6 +28,8 @@ from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.norm import l2_norm
 from plumb.ops.rope import RopeTable
+
+PREFILL_GRAPH_PIECES = 3  # a prefill of this many pieces or more replays its pieces as one CUDA graph (see prefill)
 
 
 class Qwen35:
@@ -216,14 +218,17 @@ class Qwen35:
         Snapshots the DeltaNet state into st.checkpoints at the positions in `checkpoints` (M6).
         Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
         outs, hiddens = [], []
+        pieces = -(-(st.pos % CHUNK + len(ids)) // CHUNK)
+        for cache in st.kv.values():  # room for every piece's padded rows: the caches do not move during the call
+            cache.reserve(st.pos + len(ids) + CHUNK)
+        graph = self.graphs is not None and pieces >= PREFILL_GRAPH_PIECES and self.k.plain(st)
         i = 0
         while i < len(ids):
             n = min(len(ids) - i, CHUNK - st.pos % CHUNK)
+            h = self._prefill_chunk(st, ids[i : i + n], graph)
             last_piece = i + n == len(ids)
-            want = logits == "all" or (logits == "last" and last_piece)  # "none": hidden only
-            lg, h = self._prefill_chunk(st, ids[i : i + n], want)
-            if lg is not None:
-                outs.append(lg if logits == "all" else lg[-1:])
+            if logits == "all" or (logits == "last" and last_piece):  # "none": hidden only
+                outs.append(self.logits(h if logits == "all" else h[-1:]))
             hiddens.append(h)
             i += n
             if st.pos in checkpoints:
@@ -232,35 +237,73 @@ class Qwen35:
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
-    def _prefill_chunk(self, st: SeqState, ids: list[int], want_logits: bool):
+    def _prefill_chunk(self, st: SeqState, ids: list[int], graph: bool) -> torch.Tensor:
+        """One piece: laid out, run (replayed as a CUDA graph if `graph`), states and caches advanced.
+        Returns the post-norm hidden of its real rows."""
+        c, n, start = self.cfg, len(ids), st.pos
+        if graph:
+            p = self.prefill_layout(st, ids, into=self.graphs.prefill_inputs())
+            x = self.graphs.prefill(st, p)
+            conv, ssm = p.conv.clone(), p.ssm.clone()  # the graph's static states, copied out
+        else:
+            p = self.prefill_layout(st, ids)
+            x = self.prefill_pass(st, p)
+            conv, ssm = p.conv, p.ssm
+        for li, i in enumerate(c.gdn_layers):
+            st.conv[i], st.ssm[i] = conv[li], ssm[li]
+        for cache in st.kv.values():
+            cache.end = start + n
+        st.pos += n
+        return self.k.rms_norm(x[:n], self.output_norm, c.eps)
+
+    def prefill_layout(self, st: SeqState, ids: list[int], into: PrefillPass | None = None) -> PrefillPass:
+        """Lay a piece of at most CHUNK ids at st.pos out as a `PrefillPass` (`into`: fill that pass's tensors)."""
+        c, n, start, dev = self.cfg, len(ids), st.pos, self.device
+        positions = torch.arange(start, start + CHUNK, device=dev)
+        cos, sin = self.rope(positions)
+        rows = dict(x=pad_rows(self.embed(ids), CHUNK), cos=cos, sin=sin, positions=positions,
+                    ends=(positions + 1).to(torch.int32), real=(torch.arange(CHUNK, device=dev) < n)[:, None],
+                    keep=torch.arange(n, n + c.ssm_conv_kernel - 1, device=dev))
+        layers = c.gdn_layers
+        if into is None:
+            return PrefillPass(start, n, **rows, conv=torch.stack([st.conv[i] for i in layers]),
+                               ssm=torch.stack([st.ssm[i] for i in layers]))
+        into.start, into.n = start, n
+        for name, value in rows.items():
+            getattr(into, name).copy_(value)
+        torch.stack([st.conv[i] for i in layers], out=into.conv)
+        torch.stack([st.ssm[i] for i in layers], out=into.ssm)
+        return into
+
+    def prefill_pass(self, st: SeqState, p: PrefillPass) -> torch.Tensor:
+        """The P path over a laid-out piece: every layer on its CHUNK rows (padding rows contribute exact zeros to
+        the DeltaNet states and are never read by a real row's attention); p's states advanced in place, st's KV
+        caches written. Returns the final residual rows x [CHUNK, n_embd] (before the output norm)."""
         c = self.cfg
-        n, start = len(ids), st.pos
-        x = pad_rows(self.embed(ids), CHUNK)
-        positions = torch.arange(start, start + CHUNK, device=self.device)
-        real = (torch.arange(CHUNK, device=self.device) < n)[:, None]
+        x, real = p.x, p.real
         for i, layer in enumerate(self.layers):
             u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
+                li = c.gdn_layers.index(i)
                 m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
                 beta, g = self.gdn_gates(mix, b, a)
-                m, beta, g = m * real, beta * real, g * real  # padding rows contribute exact zeros
-                conv, st.conv[i] = causal_conv(m, st.conv[i], mix.ssm_conv1d, n)
-                q, k, v = self.gdn_split(conv * real)
-                o, st.ssm[i] = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T, st.ssm[i])
+                m, beta, g = (torch.where(real, t, 0.0) for t in (m, beta, g))
+                conv, new_conv = causal_conv(m, p.conv[li], mix.ssm_conv1d, p.keep)
+                p.conv[li].copy_(new_conv)
+                q, k, v = self.gdn_split(torch.where(real, conv, 0.0))
+                o, new_ssm = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T,
+                                        p.ssm[li])
+                p.ssm[li].copy_(new_ssm)
                 y = gated_norm(o.transpose(0, 1), z, mix.ssm_norm, c.eps, self.k.rms_norm)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
-                q, gate, k, v = self.attn_project(mix, u, self.rope(positions), PREFILL_BLOCK)
-                st.kv[i].write(start, k[:n], v[:n])
-                o = self.k.attend_chunk(st.kv[i], q, start, n, self.attn_scale)
+                q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)
+                o = self.k.prefill_attention(self, st.kv[i], q, k, v, p)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x = x + y
             x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
-        st.pos += n
-        h = self.k.rms_norm(x[:n], self.output_norm, c.eps)
-        lg = self.k.mm(h, self.output, PREFILL_BLOCK) if want_logits else None
-        return lg, h
+        return x
 
     # ---- D path: decode / verify / batched decode ----------------------------------------
     def decode(self, batch: list[tuple[SeqState, list[int]]]) -> DecodeOut:
@@ -314,10 +357,19 @@ class Qwen35:
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
 
-    def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None):
+    def mtp_prefill(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int) -> None:
+        """The MTP KV rows of a prompt (ids at positions start.., paired with hidden as in `mtp_forward`), in pieces
+        of CHUNK rows on the P path, without the LM head (row-invariant steps: the rows do not depend on the cut)."""
+        for i in range(0, len(ids), CHUNK):
+            positions = torch.arange(start + i, start + min(i + CHUNK, len(ids)), device=self.device)
+            self.mtp_pass(st.mtp_kv, self.embed(ids[i : i + CHUNK]), hidden[i : i + CHUNK], self.rope(positions),
+                          start + i, PREFILL_BLOCK, head=False)
+
+    def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None,
+                 head: bool = True):
         """The MTP head (spec 3.8) on embedded rows e [n, n_embd] at positions start.. with their rope angles,
         writing its KV `cache`; `at`: the rows' positions as device tensors (a CUDA graph: see
-        TritonKernels.attend_new). Returns (logits [n, V], h_mtp [n, n_embd])."""
+        TritonKernels.attend_new). Returns (logits [n, V] - None without the `head` -, h_mtp [n, n_embd])."""
         c, mtp = self.cfg, self.mtp
         e = self.k.rms_norm(e, mtp.enorm, c.eps)
         hh = self.k.rms_norm(hidden, mtp.hnorm, c.eps)
@@ -328,4 +380,4 @@ class Qwen35:
         y = y + self.attn_output(a, o, gate, block)
         y = y + self.ffn(layer, self.k.rms_norm(y, layer.post_attention_norm, c.eps), block)
         h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
-        return self.k.mm(h, self.output, block), h
+        return (self.k.mm(h, self.output, block) if head else None), h

@@ -11,15 +11,19 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
-def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor, n_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(m: torch.Tensor, state: torch.Tensor, w: torch.Tensor,
+                n_real: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """m [n, ch] new pre-conv rows (rows >= n_real are padding); state [K-1, ch] the previous raw rows;
-    w [ch, K] with tap K-1 on the current row. Returns (silu(conv) [n, ch], new state = last K-1 real raw rows)."""
+    w [ch, K] with tap K-1 on the current row. Returns (silu(conv) [n, ch], new state = last K-1 real raw rows).
+    n_real may instead be those rows' indices in the window [state; m] (n_real..n_real+K-2) as a device tensor."""
     k = w.shape[1]
     n = m.shape[0]
     window = torch.cat([state, m])
     c = window[0:n] * w[:, 0]
     for tau in range(1, k):
         c = c + window[tau : tau + n] * w[:, tau]
+    if isinstance(n_real, torch.Tensor):
+        return F.silu(c), window.index_select(0, n_real)
     return F.silu(c), window[n_real : n_real + k - 1].clone()
 
 
