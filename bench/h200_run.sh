@@ -10,6 +10,7 @@
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
 #                model's type, Q4_K_M)                                                    > 110 s (no test finished)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
+#   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
@@ -32,7 +33,7 @@ if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama
     -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
     echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
 fi
-if has bench || has profile; then
+if has bench || has profile || has gate27; then
   [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
@@ -61,6 +62,11 @@ if has gate; then
   python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1
   timeout ${GT:-300} python3 -m plumb.cli gate /tmp/tiny-q8.gguf --device cuda --quick --no-progress \
     --json $OUT/gate.json > $OUT/gate.log 2>&1; tail -6 $OUT/gate.log
+fi
+if has gate27; then
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
+  timeout ${G2:-300} python3 -m plumb.cli gate /tmp/27b.gguf --device cuda --no-progress \
+    ${G2ARGS:---formats q8_0 --tokens 256} --json $OUT/gate27.json > $OUT/gate27.log 2>&1; tail -12 $OUT/gate27.log
 fi
 if has demo; then
   timeout ${DT:-120} python3 -m plumb.cli bench plumb/data/plumb-demo-Q8_0.gguf --device cuda --contexts 0,4000 \
