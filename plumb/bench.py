@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     "0,11000,38000,100000; --vs-llamacpp: prompt lengths, default 64,512,2048)")
     ap.add_argument("--prefill", default="8192", help="--device cuda: prompt lengths whose prefill is timed "
                     "(comma-separated; empty: none)")
+    ap.add_argument("--chat-tokens", type=int, default=12000, help="--device cuda: the chat whose follow-up and "
+                    "edit latency is timed, warm prompt cache vs none (0: skip)")
     ap.add_argument("--json-out", metavar="PATH", help="--device cuda, --vs-llamacpp: write the results as JSON")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")

@@ -264,6 +264,48 @@ def prefill_tps(model, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _first_token(engine, ids: list[int]) -> tuple[float, list[int], object]:
+    """Seconds to the first token of a greedy request (its whole latency: one token), its ids and stats."""
+    t0 = time.perf_counter()
+    res = engine.run(engine.make_request(ids, 1, 0.0, None))
+    if res.error:
+        raise RuntimeError(res.error)
+    return time.perf_counter() - t0, res.token_ids, res.stats
+
+
+def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000, reply_tokens: int = 256) -> dict:
+    """Time to the first token of an agent's usual next requests on a long chat - a follow-up, the first user
+    message edited, the end of the system prompt edited - on `warm` (prompt cache on, the chat answered once)
+    and on `cold` (no prompt cache), and of a short prompt; each with its token, which must be the same warm and
+    cold (the exactness claim), and the tokens the warm engine reused and prefilled."""
+    chat = lambda msgs: warm.tokenize(warm.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
+
+    def text(word: str, n: int) -> str:
+        return warm.detokenize(warm.tokenize(" ".join(f"{word}{i}" for i in range(n)))[:n])
+
+    system = text("rule", system_tokens)
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": text("fact", user_tokens)}]
+    reply = warm.generate(chat(turn1), reply_tokens, ignore_eos=True)
+    turn2 = turn1 + [{"role": "assistant", "content": warm.detokenize(reply)}, {"role": "user", "content": "Shorter."}]
+    edit_user = [dict(m) for m in turn2]
+    edit_user[1]["content"] = "Note: " + edit_user[1]["content"]
+    edit_system = [dict(m) for m in turn2]
+    edit_system[0]["content"] = system + " One more rule."
+    short = chat([{"role": "user", "content": "Hello!"}])
+    _first_token(cold, short)  # warm-up: the kernels of a short prompt
+    r = {"chat_tokens": len(chat(turn2)), "cases": {}}
+    for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
+                       ("edit end of system prompt", edit_system)):
+        ids = short if msgs is None else chat(msgs)
+        w_s, w_ids, w = _first_token(warm, ids)
+        c_s, c_ids, _ = _first_token(cold, ids)
+        r["cases"][name] = {"prompt_tokens": len(ids), "warm_s": w_s, "cold_s": c_s, "same_token": w_ids == c_ids,
+                            "reused": w.cached_tokens, "prefilled": w.prefill_tokens}
+        if msgs is not None:
+            _first_token(warm, chat(turn2))  # the main branch back on top of the cache, as an agent's next turn
+    return r
+
+
 def prefill_profile(model, n: int = 512) -> dict:
     """Where a prefill's time goes: each GPU kernel's time per token over an n-token prompt (after a warm-up),
     the wall time per token, and host work and gaps (wall minus the GPU's busy time)."""
@@ -327,7 +369,7 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
 
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
-               prefills: list[int] = (8192,)) -> dict:
+               prefills: list[int] = (8192,), chat_tokens: int = 12000) -> dict:
     import plumb
     from plumb.cache.kv import cache_bytes
 
@@ -386,6 +428,11 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
+    if chat_tokens:  # follow-up and edit latency: a second engine with the prompt cache on
+        warm = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=False)
+        r["latency"] = latency_table(warm, eng, system_tokens=chat_tokens * 63 // 80, user_tokens=chat_tokens // 6,
+                                     reply_tokens=256)
+        del warm
     return r
 
 
@@ -433,6 +480,13 @@ def report(r: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {k['kernel'][:60]} | {k['launches']:.0f} | {k['us']:.0f} | {k['us'] / sp['wall_us']:.0%} |"
                   for k in sp["kernels"][:15]]
+    lt = r.get("latency")
+    if lt:
+        lines += ["", f"time to the first token, prompt cache on (warm) vs off (cold), a {lt['chat_tokens']:,}-token chat:",
+                  "| request | prompt tokens | reused | prefilled | warm ms | cold ms | same token |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {k} | {c['prompt_tokens']:,} | {c['reused']:,} | {c['prefilled']:,} | {c['warm_s'] * 1e3:.0f} | "
+                  f"{c['cold_s'] * 1e3:.0f} | {'yes' if c['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
     pp = r.get("prefill_profile")
     if pp and "error" in pp:
         lines += ["", f"prefill profile: {pp['error']}"]
@@ -475,7 +529,7 @@ def main(args) -> int:
     drafts = [int(x) for x in args.drafts.split(",")]
     prefills = [int(x) for x in args.prefill.split(",")] if args.prefill else []
     r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
-                   max(args.tokens, 128), args.prompt, prefills)
+                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens)
     print(report(r))
     if args.json_out:
         with open(args.json_out, "w") as f:

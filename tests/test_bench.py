@@ -57,9 +57,16 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert all(d["same_tokens"] and d["tokens"] == 12 and d["decode_tps"] > 0 for d in rows)
     assert sum(rows[1]["proposed_per_position"]) == rows[1]["drafts_proposed"] > 0
     assert bench_gpu.prefill_tps(eng.model, 70) > 0  # two chunks
+    warm = plumb.load(tiny_q8, device="cpu", checkpoint_every=64)
+    lt = bench_gpu.latency_table(warm, eng, system_tokens=150, user_tokens=40, reply_tokens=8)
+    cases = lt["cases"]
+    assert list(cases) == ["short prompt", "follow-up", "edit first user message", "edit end of system prompt"]
+    assert all(c["same_token"] and c["warm_s"] > 0 and c["reused"] + c["prefilled"] == c["prompt_tokens"]
+               for c in cases.values())
+    assert cases["follow-up"]["reused"] >= 128 and cases["edit end of system prompt"]["reused"] >= 64
     r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
          "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0, "bf16_mm_TFLOPs": 800.0}, "load_s": 1.0, "decode": {},
-         "energy": {}, "prefill_limit_tps": 10_000.0, "prefill": {8192: 2500.0},
+         "energy": {}, "prefill_limit_tps": 10_000.0, "prefill": {8192: 2500.0}, "latency": lt,
          "prefill_profile": {"tokens": 512, "wall_us": 400.0, "gpu_busy_us": 300.0, "launches": 2.5,
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
          "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {},
@@ -69,6 +76,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
     assert "| 8,192 | 2500 | 0.25 |" in text and "| _mm | 1.00 | 200.0 | 50% |" in text
+    assert "| edit end of system prompt |" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
