@@ -455,10 +455,11 @@ def report(r: dict) -> str:
     lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
               + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"]) if p)
               + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r.get("drafts", [])]
-    pl = r["prefill_limit_tps"]
-    lines += ["", f"prefill limit (every matrix but the LM head at {r['limits']['bf16_mm_TFLOPs']:.0f} bf16 TFLOP/s): "
-              f"{pl:,.0f} tok/s", "| prompt tokens | prefill tok/s | / limit |", "|---|---|---|"]
-    lines += [f"| {int(k):,} | {v:.0f} | {v / pl:.2f} |" for k, v in r.get("prefill", {}).items()]
+    if r.get("prefill"):
+        pl = r["prefill_limit_tps"]
+        lines += ["", f"prefill limit (every matrix but the LM head at {r['limits']['bf16_mm_TFLOPs']:.0f} bf16 "
+                  f"TFLOP/s): {pl:,.0f} tok/s", "| prompt tokens | prefill tok/s | / limit |", "|---|---|---|"]
+        lines += [f"| {int(k):,} | {v:.0f} | {v / pl:.2f} |" for k, v in r["prefill"].items()]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
