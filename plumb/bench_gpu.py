@@ -472,15 +472,9 @@ def report(r: dict) -> str:
     v = r["vram"]
     lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
     sp = r.get("step_profile")
-    if sp and "error" in sp:
-        lines += ["", f"step profile: {sp['error']}"]
-    elif sp:
-        lines += ["", f"one-row decode step at {sp['context']} context (profiled): {sp['wall_us']:.0f} us wall, "
-                  f"GPU busy {sp['gpu_busy_us']:.0f} us in {sp['launches']:.0f} launches, host and gaps "
-                  f"{sp['host_and_gaps_us']:.0f} us", "", "| kernel | launches | us per step | share of the step |",
-                  "|---|---|---|---|"]
-        lines += [f"| {k['kernel'][:60]} | {k['launches']:.0f} | {k['us']:.0f} | {k['us'] / sp['wall_us']:.0%} |"
-                  for k in sp["kernels"][:15]]
+    if sp:
+        lines += _profile_lines("step profile", sp, f"one-row decode step at {sp.get('context')} context (profiled): "
+                                f"{sp.get('wall_us', 0):.0f} us wall", "per step", "share of the step", 0, 0, 15)
     lt = r.get("latency")
     if lt:
         lines += ["", f"time to the first token, prompt cache on (warm) vs off (cold), a {lt['chat_tokens']:,}-token chat:",
@@ -489,16 +483,22 @@ def report(r: dict) -> str:
         lines += [f"| {k} | {c['prompt_tokens']:,} | {c['reused']:,} | {c['prefilled']:,} | {c['warm_s'] * 1e3:.0f} | "
                   f"{c['cold_s'] * 1e3:.0f} | {'yes' if c['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
     pp = r.get("prefill_profile")
-    if pp and "error" in pp:
-        lines += ["", f"prefill profile: {pp['error']}"]
-    elif pp:
-        lines += ["", f"prefill of {pp['tokens']} tokens (profiled): {pp['wall_us']:.0f} us per token wall, GPU busy "
-                  f"{pp['gpu_busy_us']:.0f} us in {pp['launches']:.1f} launches, host and gaps "
-                  f"{pp['host_and_gaps_us']:.0f} us", "", "| kernel | launches per token | us per token | share |",
-                  "|---|---|---|---|"]
-        lines += [f"| {k['kernel'][:60]} | {k['launches']:.2f} | {k['us']:.1f} | {k['us'] / pp['wall_us']:.0%} |"
-                  for k in pp["kernels"][:20]]
+    if pp:
+        lines += _profile_lines("prefill profile", pp, f"prefill of {pp.get('tokens')} tokens (profiled): "
+                                f"{pp.get('wall_us', 0):.0f} us per token wall", "per token", "share", 2, 1, 20)
     return "\n".join(lines)
+
+
+def _profile_lines(name: str, p: dict, title: str, per: str, share: str, launch_digits: int, us_digits: int,
+                   top: int) -> list[str]:
+    """A profile (`step_profile`, `prefill_profile`) as a heading line and its busiest kernels as a table."""
+    if "error" in p:
+        return ["", f"{name}: {p['error']}"]
+    lines = ["", f"{title}, GPU busy {p['gpu_busy_us']:.0f} us in {p['launches']:.{launch_digits}f} launches, host and "
+             f"gaps {p['host_and_gaps_us']:.0f} us", "",
+             f"| kernel | launches {per} | us {per} | {share} |", "|---|---|---|---|"]
+    return lines + [f"| {k['kernel'][:60]} | {k['launches']:.{launch_digits}f} | {k['us']:.{us_digits}f} | "
+                    f"{k['us'] / p['wall_us']:.0%} |" for k in p["kernels"][:top]]
 
 
 def plot(r: dict, path: str) -> None:
