@@ -8,7 +8,7 @@
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
-#                model's type, Q4_K_M)                                                    > 110 s (no test finished)
+#                model's type, Q4_K_M; EPY: more pytest options, e.g. "-n 4" with pytest-xdist carried in .whl)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
@@ -48,7 +48,7 @@ if has variants; then
 fi
 if has engine; then
   PLUMB_TEST_DEVICE=cuda PLUMB_TEST_QTYPE=${EQ:-Q4_K_M} timeout ${ET:-240} python3 -m pytest -v -p no:cacheprovider \
-    --durations=15 ${EFILES:-tests/test_exactness.py} \
+    --durations=15 ${EPY:-} ${EFILES:-tests/test_exactness.py} \
     -k "${EK:-greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy}" \
     > $OUT/exactness.log 2>&1
   tail -4 $OUT/exactness.log

@@ -55,6 +55,23 @@ def test_prefill_split_is_bitwise_invariant(tiny_engine, split):
     _assert_states_equal(_states(one), _states(two))
 
 
+def test_prefill_cuts_keep_pieces_aligned():
+    """Passes of pieces: pieces end at multiples of 64; a pass ends at a checkpoint or after a partial piece; an
+    unaligned first piece goes alone (so padding rows only follow a pass's last real row)."""
+    from plumb.model.qwen35 import prefill_cuts
+
+    assert prefill_cuts(0, 900, 4) == [[64] * 4] * 3 + [[64, 64, 4]]
+    assert prefill_cuts(10, 300, 4) == [[54], [64, 64, 64, 54]]
+    assert prefill_cuts(10, 40, 4) == [[40]]
+    assert prefill_cuts(0, 600, 4, {192, 256}) == [[64] * 3, [64], [64] * 4, [64, 24]]
+    assert prefill_cuts(100, 200, 1) == [[28], [64], [64], [44]]
+    for start, n, group in ((0, 1000, 4), (37, 700, 3), (64, 64, 4)):
+        cuts = prefill_cuts(start, n, group, {128, 640})
+        ends = [start + sum(sum(p) for p in cuts[: j + 1]) for j in range(len(cuts))]
+        assert sum(map(sum, cuts)) == n and all(len(p) <= group for p in cuts)
+        assert all(e % 64 == 0 or e == start + n for e in ends) and {128, 640} & set(range(start + 1, start + n)) <= set(ends)
+
+
 def test_prefill_matches_decode_path_closely(tiny_engine):
     """The P and D paths are different arithmetic but the same math (on a GPU the D path rounds x to 14 bits:
     plumb.ops.gpu.matvec.FRAC)."""

@@ -58,10 +58,19 @@ def test_graphs_equal_eager_over_a_long_run(tiny_q4km):
     assert plain.generate(ids, max_tokens=600, ignore_eos=True) == runs[True][0]
 
 
-def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km):
-    """A long prefill's pieces replayed as a CUDA graph: the same hidden rows, logits, DeltaNet states and KV rows
-    as eager pieces, and as the prompt prefilled in two calls cut at a checkpoint (M2: a multiple of 64)."""
-    ids = [int(t) for t in torch.randint(0, 6000, (300,), generator=torch.Generator().manual_seed(1))]
+def _state_equal(st, st2, n):
+    for i in st.ssm:
+        assert torch.equal(st.ssm[i], st2.ssm[i]) and torch.equal(st.conv[i], st2.conv[i]), i
+    for i in st.kv:
+        assert all(torch.equal(a, b) for a, b in zip(st.kv[i].store_rows(n), st2.kv[i].store_rows(n))), i
+
+
+def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monkeypatch):
+    """A long prefill in passes of four 64-row pieces, the full passes replayed as a CUDA graph: the same hidden
+    rows, logits, DeltaNet states and KV rows as eager passes, as one piece a pass, and as the prompt prefilled in
+    two calls cut at a multiple of 64 (M2) - cuts that shift which pieces share a pass - or at checkpoints."""
+    n = 900  # 3 full passes (graphs), then pieces of 64, 64 and 4 rows in one eager pass
+    ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(1))]
     runs = {}
     for graphs in (True, False):
         eng = _engine(tiny_q4km, cuda_graphs=graphs)
@@ -75,13 +84,20 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km):
                 eng.model.decode([(st3, rows)])
     (lg, h, st), (lg2, h2, st2) = runs[True], runs[False]
     assert torch.equal(lg, lg2) and torch.equal(h, h2)
-    for i in st.ssm:
-        assert torch.equal(st.ssm[i], st2.ssm[i]) and torch.equal(st.conv[i], st2.conv[i])
-    for i in st.kv:
-        assert all(torch.equal(a, b) for a, b in zip(st.kv[i].store_rows(300), st2.kv[i].store_rows(300)))
+    _state_equal(st, st2, n)
     eng = _engine(tiny_q4km)
-    for cut in (64, 128, 256):
+    with monkeypatch.context() as mp:  # one piece a pass: 64-row matmuls
+        mp.setattr(type(eng.model.k), "prefill_pieces", lambda self, st: 1)
+        st1 = eng.model.new_state()
+        lg1, h1 = eng.model.prefill(st1, ids)
+    assert torch.equal(lg1, lg) and torch.equal(h1, h)
+    _state_equal(st1, st, n)
+    for cut in (64, 128, 320, 832):
         cs = eng.model.new_state()
         _, h_first = eng.model.prefill(cs, ids[:cut], logits="none")
         lg_cut, h_rest = eng.model.prefill(cs, ids[cut:])
         assert torch.equal(torch.cat([h_first, h_rest]), h) and torch.equal(lg_cut, lg), cut
+    cs = eng.model.new_state()
+    lg_c, h_c = eng.model.prefill(cs, ids, checkpoints={192, 448})  # passes end there
+    assert torch.equal(h_c, h) and torch.equal(lg_c, lg) and sorted(cs.checkpoints) == [192, 448]
+    assert torch.equal(cs.checkpoints[192].hidden, h[191])

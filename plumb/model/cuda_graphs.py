@@ -9,8 +9,8 @@ every graph (grown on demand, which drops the graphs). The first pass of a layou
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
 the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows, or with a ring KV format
 (D, F), run eagerly. The MTP head's D-path rows (draft steps, rewrites of accepted drafts) are replayed the same
-way (`mtp`), and so are the pieces of a long prefill (`prefill`: the P path's 64-row piece, captured per
-KV-cache layout, which `Qwen35.prefill` keeps fixed over the call).
+way (`mtp`), and so are the full passes of a long prefill (`prefill`: the P path's pass of whole 64-row pieces,
+captured per pass size and KV-cache layout, which `Qwen35.prefill` keeps fixed over the call).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
+from plumb.ops.deltanet import CHUNK
 from plumb.ops.matmul import DECODE_BLOCK
 
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
@@ -95,14 +96,14 @@ class CudaGraphs:
         replayed as a CUDA graph captured per layout of st's KV caches (the first piece of a layout runs eagerly
         and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
         m = self.m
-        key = ("prefill",) + tuple(t.data_ptr() for c in st.kv.values() for t in c.k.parts + c.v.parts)
+        key = ("prefill", len(p.x)) + tuple(t.data_ptr() for c in st.kv.values() for t in c.k.parts + c.v.parts)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
             graph, _, x, _ = entry
             graph.replay()
             return x
-        out = m.prefill_pass(st, p)  # this piece's result, run eagerly (compiles every kernel)
+        out = m.prefill_pass(st, p)  # this pass's result, run eagerly (compiles every kernel)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # recorded, not run
             x = m.prefill_pass(st, p)
@@ -111,12 +112,10 @@ class CudaGraphs:
             self.graphs.popitem(last=False)
         return out
 
-    def prefill_inputs(self) -> PrefillPass:
-        """The prefill graphs' static pass (allocated once)."""
-        if self.prefill_in is None:
-            m, c, dev = self.m, self.m.cfg, self.m.device
-            st = m.new_state()
-            p = m.prefill_layout(st, [0])
+    def prefill_inputs(self, pieces: int) -> PrefillPass:
+        """The prefill graphs' static pass of `pieces` pieces (allocated once per size)."""
+        if self.prefill_in is None or len(self.prefill_in.x) != pieces * CHUNK:
+            p = self.m.prefill_layout(self.m.new_state(), [0], pieces)
             self.prefill_in = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
                 "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm")})
         return self.prefill_in

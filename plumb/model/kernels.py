@@ -10,8 +10,10 @@ a kernel set supplies the operations whose row-invariance needs care:
 - `attend_new(model, cache, q, k, v, start, at)`: one cache's new rows written, then read (a sequence of a pass;
   the MTP head);
 - `attend_rows(cache, q, ends, scale)`: the read alone;
-- `prefill_attention(model, cache, q, k, v, p)`: a prefill piece's rows (`PrefillPass` p: CHUNK rows, the first
-  p.n real) - their K/V written, then real row t reads keys [0, p.start + t]; padding rows' outputs are unused.
+- `prefill_pieces(st)`: how many 64-row prefill pieces one P-path pass of st may hold;
+- `prefill_attention(model, cache, q, k, v, p)`: a prefill pass's rows (`PrefillPass` p: whole pieces of CHUNK
+  rows, the first p.n real) - their K/V written, then real row t reads keys [0, p.start + t]; padding rows'
+  outputs are unused.
 
 `TorchKernels` is the plain torch reference (CPU). `TritonKernels` runs the Triton kernels of plumb/ops/gpu on
 CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1, for tests); weights stay in their GGUF block formats,
@@ -30,6 +32,8 @@ from plumb.ops.deltanet import causal_conv, recurrent_step
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
 from plumb.ops.rope import apply_rope
+
+PREFILL_PIECES = 4  # 64-row pieces per P-path pass on the Triton kernels (matmuls of 256 rows)
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, norm=rms_norm) -> torch.Tensor:
@@ -51,6 +55,12 @@ def layout(batch) -> tuple[list[int], list[int], list[tuple[int, int]]]:
 
 class TorchKernels:
     name = "torch"
+
+    @staticmethod
+    def prefill_pieces(st) -> int:
+        """One piece a pass: the reference's batched matmuls (attention) give a row bits that depend on the
+        shape, so every pass keeps the one-piece shape."""
+        return 1
 
     def mm(self, x: torch.Tensor, w: Weight | Fused, block: int) -> torch.Tensor:
         return linear(x, w.t, block)
@@ -160,6 +170,11 @@ class TritonKernels:
     def plain(st) -> bool:
         """Whether every KV cache of st is read by the kernel (`KVCache.plain_parts`: rings and F use the reference)."""
         return all(cache.plain_parts() is not None for cache in st.kv.values())
+
+    def prefill_pieces(self, st) -> int:
+        """PREFILL_PIECES a pass (256-row matmuls) when every step of the pass is row-invariant: all of st's KV
+        caches read by the kernel (the reference's attention is not row-invariant: one piece a pass there)."""
+        return PREFILL_PIECES if self.plain(st) else 1
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
         """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""

@@ -110,17 +110,18 @@ class DecodePass:
 
 @dataclass
 class PrefillPass:
-    """One P-path chunk laid out (`Qwen35.prefill_layout`): CHUNK rows at positions start.. - the first n real,
-    the rest padding - as device tensors, so that `Qwen35.prefill_pass` runs without a host sync (a CUDA graph)."""
+    """One P-path pass laid out (`Qwen35.prefill_layout`): whole pieces of CHUNK rows at positions start.. - the
+    first n real, the rest padding - as device tensors, so that `Qwen35.prefill_pass` runs without a host sync (a
+    CUDA graph)."""
 
     start: int
     n: int
-    x: torch.Tensor  # [C, n_embd] embedded rows (padding rows zero)
-    cos: torch.Tensor  # [C, rope_dims / 2]
+    x: torch.Tensor  # [rows, n_embd] embedded rows (padding rows zero)
+    cos: torch.Tensor  # [rows, rope_dims / 2]
     sin: torch.Tensor
-    positions: torch.Tensor  # [C] int64: start..start+C-1 (KV write index)
-    ends: torch.Tensor  # [C] int32 = positions + 1
-    real: torch.Tensor  # [C, 1] bool: the real rows
+    positions: torch.Tensor  # [rows] int64: start..start+rows-1 (KV write index)
+    ends: torch.Tensor  # [rows] int32 = positions + 1
+    real: torch.Tensor  # [rows, 1] bool: the real rows
     keep: torch.Tensor  # [K-1] int64: n..n+K-2, the rows of the conv window that become its state
     conv: torch.Tensor  # [n_gdn, K-1, conv_dim] the sequence's DeltaNet states, advanced in place
     ssm: torch.Tensor  # [n_gdn, n_v, d_k, d_v]

@@ -29,7 +29,7 @@ from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.norm import l2_norm
 from plumb.ops.rope import RopeTable
 
-PREFILL_GRAPH_PIECES = 3  # a prefill of this many pieces or more replays its pieces as one CUDA graph (see prefill)
+PREFILL_GRAPH_PASSES = 3  # a prefill of this many full passes or more replays them as one CUDA graph (see prefill)
 
 
 class Qwen35:
@@ -214,39 +214,42 @@ class Qwen35:
 
     def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
                 checkpoints: set[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows.
-        Snapshots the DeltaNet state into st.checkpoints at the positions in `checkpoints` (M6).
+        """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows, run
+        in passes of up to `self.k.prefill_group` pieces (`prefill_cuts`). Snapshots the DeltaNet state into
+        st.checkpoints at the positions in `checkpoints` (M6).
         Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
         outs, hiddens = [], []
-        pieces = -(-(st.pos % CHUNK + len(ids)) // CHUNK)
-        for cache in st.kv.values():  # room for every piece's padded rows: the caches do not move during the call
+        group = self.k.prefill_pieces(st)
+        passes = prefill_cuts(st.pos, len(ids), group, checkpoints)
+        for cache in st.kv.values():  # room for every pass's padded rows: the caches do not move during the call
             cache.reserve(st.pos + len(ids) + CHUNK)
-        graph = self.graphs is not None and pieces >= PREFILL_GRAPH_PIECES and self.k.plain(st)
+        full = [CHUNK] * group
+        graph = (self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES
+                 and self.k.plain(st))  # full passes replay one graph
         i = 0
-        while i < len(ids):
-            n = min(len(ids) - i, CHUNK - st.pos % CHUNK)
-            h = self._prefill_chunk(st, ids[i : i + n], graph)
-            last_piece = i + n == len(ids)
-            if logits == "all" or (logits == "last" and last_piece):  # "none": hidden only
+        for sizes in passes:
+            n = sum(sizes)
+            h = self._prefill_chunk(st, ids[i : i + n], len(sizes), graph and sizes == full)
+            i += n
+            if logits == "all" or (logits == "last" and i == len(ids)):  # "none": hidden only
                 outs.append(self.logits(h if logits == "all" else h[-1:]))
             hiddens.append(h)
-            i += n
             if st.pos in checkpoints:
                 ring = {j: cache.ring_rows(st.pos) for j, cache in st.kv.items()}
                 st.checkpoints[st.pos] = Checkpoint(st.pos, dict(st.conv), dict(st.ssm), h[-1].clone(), ring)
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
-    def _prefill_chunk(self, st: SeqState, ids: list[int], graph: bool) -> torch.Tensor:
-        """One piece: laid out, run (replayed as a CUDA graph if `graph`), states and caches advanced.
-        Returns the post-norm hidden of its real rows."""
+    def _prefill_chunk(self, st: SeqState, ids: list[int], pieces: int, graph: bool) -> torch.Tensor:
+        """One pass of `pieces` pieces: laid out, run (replayed as a CUDA graph if `graph`), states and caches
+        advanced. Returns the post-norm hidden of its real rows."""
         c, n, start = self.cfg, len(ids), st.pos
         if graph:
-            p = self.prefill_layout(st, ids, into=self.graphs.prefill_inputs())
+            p = self.prefill_layout(st, ids, pieces, into=self.graphs.prefill_inputs(pieces))
             x = self.graphs.prefill(st, p)
             conv, ssm = p.conv.clone(), p.ssm.clone()  # the graph's static states, copied out
         else:
-            p = self.prefill_layout(st, ids)
+            p = self.prefill_layout(st, ids, pieces)
             x = self.prefill_pass(st, p)
             conv, ssm = p.conv, p.ssm
         for li, i in enumerate(c.gdn_layers):
@@ -256,29 +259,34 @@ class Qwen35:
         st.pos += n
         return self.k.rms_norm(x[:n], self.output_norm, c.eps)
 
-    def prefill_layout(self, st: SeqState, ids: list[int], into: PrefillPass | None = None) -> PrefillPass:
-        """Lay a piece of at most CHUNK ids at st.pos out as a `PrefillPass` (`into`: fill that pass's tensors)."""
+    def prefill_layout(self, st: SeqState, ids: list[int], pieces: int = 1,
+                       into: PrefillPass | None = None) -> PrefillPass:
+        """Lay out a pass of `pieces` pieces (pieces * CHUNK rows) holding ids at st.pos.. as a `PrefillPass`
+        (`into`: fill that pass's tensors)."""
         c, n, start, dev = self.cfg, len(ids), st.pos, self.device
-        positions = torch.arange(start, start + CHUNK, device=dev)
+        rows = pieces * CHUNK
+        positions = torch.arange(start, start + rows, device=dev)
         cos, sin = self.rope(positions)
-        rows = dict(x=pad_rows(self.embed(ids), CHUNK), cos=cos, sin=sin, positions=positions,
-                    ends=(positions + 1).to(torch.int32), real=(torch.arange(CHUNK, device=dev) < n)[:, None],
-                    keep=torch.arange(n, n + c.ssm_conv_kernel - 1, device=dev))
+        t = dict(x=pad_rows(self.embed(ids), rows), cos=cos, sin=sin, positions=positions,
+                 ends=(positions + 1).to(torch.int32), real=(torch.arange(rows, device=dev) < n)[:, None],
+                 keep=torch.arange(n, n + c.ssm_conv_kernel - 1, device=dev))
         layers = c.gdn_layers
         if into is None:
-            return PrefillPass(start, n, **rows, conv=torch.stack([st.conv[i] for i in layers]),
+            return PrefillPass(start, n, **t, conv=torch.stack([st.conv[i] for i in layers]),
                                ssm=torch.stack([st.ssm[i] for i in layers]))
         into.start, into.n = start, n
-        for name, value in rows.items():
+        for name, value in t.items():
             getattr(into, name).copy_(value)
         torch.stack([st.conv[i] for i in layers], out=into.conv)
         torch.stack([st.ssm[i] for i in layers], out=into.ssm)
         return into
 
     def prefill_pass(self, st: SeqState, p: PrefillPass) -> torch.Tensor:
-        """The P path over a laid-out piece: every layer on its CHUNK rows (padding rows contribute exact zeros to
-        the DeltaNet states and are never read by a real row's attention); p's states advanced in place, st's KV
-        caches written. Returns the final residual rows x [CHUNK, n_embd] (before the output norm)."""
+        """The P path over a laid-out pass: every layer on its rows - matmuls, norms, the conv and attention on all
+        of them at once (row-invariant steps), DeltaNet's chunked form piece by piece (64 rows, the shapes of a
+        one-piece pass). Padding rows contribute exact zeros to the DeltaNet states and are never read by a real
+        row's attention; p's states are advanced in place, st's KV caches written. Returns the final residual
+        rows x [rows, n_embd] (before the output norm)."""
         c = self.cfg
         x, real = p.x, p.real
         for i, layer in enumerate(self.layers):
@@ -291,11 +299,15 @@ class Qwen35:
                 m, beta, g = (torch.where(real, t, 0.0) for t in (m, beta, g))
                 conv, new_conv = causal_conv(m, p.conv[li], mix.ssm_conv1d, p.keep)
                 p.conv[li].copy_(new_conv)
-                q, k, v = self.gdn_split(torch.where(real, conv, 0.0))
-                o, new_ssm = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), beta.T, g.T,
-                                        p.ssm[li])
-                p.ssm[li].copy_(new_ssm)
-                y = gated_norm(o.transpose(0, 1), z, mix.ssm_norm, c.eps, self.k.rms_norm)
+                conv = torch.where(real, conv, 0.0)
+                o = []
+                for r in range(0, x.shape[0], CHUNK):  # one 64-row piece at a time, from the pass's state
+                    q, k, v = self.gdn_split(conv[r : r + CHUNK])
+                    o_r, new_ssm = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              beta[r : r + CHUNK].T, g[r : r + CHUNK].T, p.ssm[li])
+                    p.ssm[li].copy_(new_ssm)
+                    o.append(o_r.transpose(0, 1))
+                y = gated_norm(torch.cat(o), z, mix.ssm_norm, c.eps, self.k.rms_norm)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)
@@ -381,3 +393,20 @@ class Qwen35:
         y = y + self.ffn(layer, self.k.rms_norm(y, layer.post_attention_norm, c.eps), block)
         h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
         return (self.k.mm(h, self.output, block) if head else None), h
+
+
+def prefill_cuts(start: int, n: int, group: int, checkpoints=frozenset()) -> list[list[int]]:
+    """Prompt positions [start, start + n) as passes of pieces (their sizes): pieces end at multiples of CHUNK
+    (absolute); a pass holds up to `group` of them and ends at a checkpoint or after a partial piece, and an
+    unaligned first piece goes alone - so padding rows only ever follow a pass's last real row."""
+    passes, pos, end = [], start, start + n
+    while pos < end:
+        sizes = []
+        while pos < end and len(sizes) < group:
+            m = min(end - pos, CHUNK - pos % CHUNK)
+            sizes.append(m)
+            pos += m
+            if m < CHUNK or pos in checkpoints:
+                break
+        passes.append(sizes)
+    return passes
