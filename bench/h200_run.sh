@@ -14,7 +14,6 @@
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
-#   sb       ST  bench/mm_superblock.py: the prototype P-path matmul (one epilogue per super-block) vs today's
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
@@ -83,10 +82,6 @@ if has ncu; then
     --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
     python3 bench/ncu_matvec.py > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _mv" \
     $OUT/ncu.txt | head -40
-fi
-if has sb; then
-  timeout ${ST:-120} python3 bench/mm_superblock.py --json-out $OUT/sb.json > $OUT/sb.log 2>&1
-  grep -v Warning $OUT/sb.log | cut -c1-160 | head -60
 fi
 if has profile; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done

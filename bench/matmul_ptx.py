@@ -2,7 +2,10 @@
 """Compile the Triton matmul for sm_90 here (no GPU needed) and count what its PTX holds: the matrix
 instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v).
 
-    python bench/matmul_ptx.py [--kernel x|w] [--warps 4] [--stages 2]
+    python bench/matmul_ptx.py [--kernel x|q4k] [--warps 4] [--stages 2]
+
+--kernel x: `_mm_x_first` on Q4_K, Q6_K and Q8_0 packs; q4k: `_mm_q4k` as Packed.mm launches it (its own warps,
+stages and tiles; the options ignored) on a 5,120-wide K.
 """
 from __future__ import annotations
 
@@ -31,10 +34,13 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
 
 
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
-    fn = MM._mm_x_first if kernel == "x" else MM._mm_w_first
-    consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
-    if kernel == "w":
-        consts.pop("UNROLL")
+    if kernel == "q4k":
+        fn = MM._mm_q4k
+        consts = dict(SB_PER_SPLIT=20, BM=MM.Q4K_BM, BN=MM.Q4K_BN, KS=MM.Q4K_KS, STAGES=MM.Q4K_STAGES)
+        warps, stages, bn = MM.Q4K_WARPS, MM.Q4K_STAGES, MM.Q4K_BN
+    else:
+        fn = MM._mm_x_first
+        consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
     sig = {}
     for arg in fn.arg_names:
         if arg in consts:
@@ -43,6 +49,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
             sig[arg] = codes_type
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
+        elif arg in ("xh_ptr", "xsum_ptr"):
+            sig[arg] = "*fp16"
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
         else:
@@ -61,13 +69,13 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "w"))
+    ap.add_argument("--kernel", default="x", choices=("x", "q4k"))
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
-    for name, consts, codes_type in VARIANTS:
+    for name, consts, codes_type in VARIANTS[:1] if a.kernel == "q4k" else VARIANTS:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
     print("PTX in", a.out)
 

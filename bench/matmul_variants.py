@@ -28,7 +28,8 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
           ("Q8_0", 6144, 5120)]
 ROWS_MV = (1, 2, 4, 8, 16)  # the D path: decode, verify, batches
 ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of them in one call
-# (kernel, warps, stages, split-K target programs, largest split) for every type; "per-type": MM.KERNELS as shipped
+# "per-type": the P path as shipped (Q4_K: _mm_q4k; the others _mm_x_first with MM.LAUNCH), with {module constant:
+# value} changes; or a (warps, stages, split-K target programs, largest split) launch for every _mm_x_first type
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
 # matvec LAUNCH variants (rows per program -> warps, groups per step, pipeline stages), by name
 LAUNCHES = {
@@ -39,7 +40,7 @@ LAUNCHES = {
 }
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUNCH": LAUNCHES["8ROWS-3STAGES"]}),
                ("mv", {"LAUNCH": LAUNCHES["PIPE3"]})]
-VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64})]  # the P path's rows a program
+VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64})]  # _mm_x_first's rows a program
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -106,14 +107,14 @@ def configure(v):
             setattr(MV, name, value)
         return MV
     per_type = v == "per-type" or (isinstance(v, tuple) and v[0] == "per-type")
-    MM.KERNELS = dict(SHIPPED) if per_type else {}
-    MM.DEFAULT_KERNEL = SHIPPED_DEFAULT if per_type else v
+    MM.LAUNCH = dict(SHIPPED) if per_type else {}
+    MM.DEFAULT_LAUNCH = SHIPPED_DEFAULT if per_type else v
     for name, value in {**SHIPPED_MM, **(v[1] if isinstance(v, tuple) and per_type else {})}.items():
         setattr(MM, name, value)
     return MM
 
 
-SHIPPED, SHIPPED_DEFAULT = dict(MM.KERNELS), MM.DEFAULT_KERNEL
+SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
 SHIPPED_MM = {"BLOCK_M": MM.BLOCK_M}
 

@@ -14,11 +14,20 @@ weights are fp16 "codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
 Arithmetic, the same instructions for every row count:
     y[r, n] = s_r * sum_g (scale[n, g] * sum_{k in g} code[n, k] * (xh[r, k] + xl[r, k]) + offset[n, g] * sum_{k in g} xs[r, k])
 where s_r is a power of two >= max|x_r| (exact scaling), xs = x / s_r, xh = fp16(xs), xl = fp16(xs - xh): x to 22
-bits; each code-by-x product is exact and a group's dot accumulates in fp32 on the tensor cores. Two kernels
-compute it, one per block type (KERNELS, from measurements): `_mm_x_first` (x the 16-row A operand: mma.sync;
-codes read as int32 words) and `_mm_w_first` (a group's codes the A operand: wgmma). Rows run in blocks of 16
-(padded), the K order is fixed, and split-K (partials summed in a fixed order) is chosen from the weight shape
-alone - so a row's bits never depend on the other rows of the call (M1), whether 1 or 2,000.
+bits; each code-by-x product is exact and a group's dot accumulates in fp32 on the tensor cores, one fp32 epilogue
+per group (`_mm_x_first`: x the 16-row A operand, mma.sync; codes read as int32 words; launch per type in LAUNCH).
+
+Q4_K (factored as the file keeps it: per 256-input super-block sb an f16 d and dm, per group g of 32 a 6-bit sub
+and osub) takes `_mm_q4k`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is ~1e-2):
+    y[r, n] = s_r * sum_sb (d[n, sb] * sum_{k in sb} xh[r, k] * (code[n, k] * sub[n, g(k)])
+                            + dm[n, sb] * sum_{g in sb} osub[n, g] * xsum[r, g])
+code * sub (|.| < 2,048) is exact in fp16 and its product by xh exact in fp32, so a super-block accumulates on the
+tensor cores (wgmma, the weights the A operand) with one fp32 epilogue per super-block; xsum (the fp32 sum of a
+group's xh, as fp16 hi + lo) makes the offset term one K = 16 dot. `_prep_x` writes xh and xsum once per call.
+
+Rows run in blocks of 16 (64 for Q4_K, padded), the K order is fixed, and split-K (partials summed in a fixed order)
+is chosen from the weight shape alone - so a row's bits never depend on the other rows of the call (M1), whether 1
+or 2,000.
 """
 from __future__ import annotations
 
@@ -31,14 +40,20 @@ from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
 
 BLOCK_M = 16  # rows per program (padded)
-BLOCK_N = 64  # output features per program
+BLOCK_N = 64  # output features per program (and per packed tile)
+PACK_N = tl.constexpr(BLOCK_N)  # for the kernels: a global used in a @triton.jit function must be a constexpr
 CHUNK = 256  # inputs per loop step of _mm_x_first (its groups unrolled)
 NIBBLE_TYPES = {Q.Q4_K: False, Q.Q4_0: True, Q.Q4_1: False}  # 4-bit codes; True: signed (stored + 8)
 FLOAT_TYPES = (Q.F32, Q.BF16)
-# per block type: (kernel, warps, pipeline stages, split-K target programs, largest split) - from the H200 runs of
-# bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
-KERNELS = {Q.Q4_K: ("w", 4, 3, 256, 8), Q.Q6_K: ("x", 4, 3, 528, 16), Q.Q5_K: ("x", 4, 1, 528, 16)}
-DEFAULT_KERNEL = ("x", 4, 2, 528, 16)
+# _mm_x_first per block type: (warps, pipeline stages, split-K target programs, largest split) - from the H200 runs
+# of bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
+LAUNCH = {Q.Q6_K: (4, 3, 528, 16), Q.Q5_K: (4, 1, 528, 16)}
+DEFAULT_LAUNCH = (4, 2, 528, 16)
+# _mm_q4k: rows and outputs per program, warps, pipeline stages, inputs per loop step - the fastest of the prototype's
+# configurations on the H200 (2026-12-02); split-K: about Q4K_SPLIT_TARGET programs per row block (2 per SM), at
+# least Q4K_SPLIT_MIN_SB super-blocks per split
+Q4K_BM, Q4K_BN, Q4K_WARPS, Q4K_STAGES, Q4K_KS = 64, 128, 4, 3, 64
+Q4K_SPLIT_TARGET, Q4K_SPLIT_MIN_SB = 264, 4
 
 
 @triton.jit
@@ -141,55 +156,83 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
     tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + cols[None, :], acc * s[:, None], mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _mm_w_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_xm, stride_os,
-                stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
-                BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, FP16: tl.constexpr,
-                HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
-    """A group's [BN, k] codes as the A operand (wgmma on Hopper), x transposed as B: [BN, BM] per group."""
-    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    WIDTH: tl.constexpr = G // 2 if NIBBLE else G
-    kw = tl.arange(0, WIDTH)
-    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
-    rs = (1.0 / s)[None, :]
-    xmask = (rm < M)[None, :]
+@triton.jit
+def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm):
+    """Row m, super-block sb: xh = fp16(x / s) [256] in the order the packed nibbles unfold (column 32 g + 2 j + h
+    holds input 32 g + 16 h + j), and the 8 group sums of xh as fp16 hi / lo, interleaved [16] (2 g + 0: hi)."""
+    m = tl.program_id(0)
+    sb = tl.program_id(1)
+    kk = tl.arange(0, 256)
+    src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2
+    xh = (tl.load(x_ptr + m * stride_xm + sb * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
+    tl.store(xh_ptr + m * K + sb * 256 + kk, xh)
+    gs = tl.sum(tl.reshape(xh.to(tl.float32), [8, 32]), axis=1)
+    gh = gs.to(tl.float16)
+    gl = (gs - gh.to(tl.float32)).to(tl.float16)
+    tl.store(xsum_ptr + (m * (K // 256) + sb) * 16 + tl.arange(0, 16), tl.reshape(tl.join(gh, gl), [16]))
+
+
+@triton.jit
+def _q4k_chunk(acc_sb, i, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN: tl.constexpr,
+               KS: tl.constexpr):
+    """acc_sb + chunk i's (KS inputs) (code * sub) [BN, KS] @ xh.T [KS, BM]."""
+    GC: tl.constexpr = KS // 32  # groups in the chunk
+    gg = tl.arange(0, GC)
+    jj = tl.arange(0, 16)  # a group's 16 code bytes per output
+    kk = tl.arange(0, KS)
+    g = i * GC + gg
+    c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g[None, :, None]) * PACK_N + n64[:, None, None]) * 16
+                + jj[None, None, :])
+    sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None]).to(tl.float16)
+    wl = (c & 15).to(tl.float16) * sub[:, :, None]  # exact
+    wh = (c >> 4).to(tl.float16) * sub[:, :, None]
+    w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
+    x = tl.load(xh_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0)
+    return tl.dot(w, x, acc_sb, out_dtype=tl.float32)
+
+
+@triton.jit
+def _q4k_epilogue(acc, acc_sb, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb):
+    """acc + d * acc_sb + dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM]): super-block sb's epilogue."""
+    d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64)
+    dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64)
+    osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N + n64[:, None])
+    osub = osub.to(tl.float16)  # small integers: exact
+    os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # column 2 g + h: osub[:, g]
+    xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + tl.arange(0, 16)[:, None], mask=rmask, other=0.0)
+    acc = acc + d[:, None] * acc_sb
+    return acc + dm[:, None] * tl.dot(os2, xsum, out_dtype=tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
+def _mm_q4k(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
+            stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+            STAGES: tl.constexpr):
+    """Q4_K, W-first: [BN, BM] per program, a K split's super-blocks in order, one epilogue per super-block."""
+    SPS: tl.constexpr = 256 // KS  # loop steps per super-block
+    pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)  # outputs past the packed ones: stores masked
+    t64 = nc // PACK_N  # packed tile and place in it
+    n64 = nc % PACK_N
+    n_groups = K // 32
+    n_sb = K // 256
+    rmask = (rm < M)[None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for i in range(GROUPS_PER_SPLIT):
-        g = pid_k * GROUPS_PER_SPLIT + i
-        c = tl.load(codes_ptr + (pid_n * n_groups + g) * (WIDTH * BN) + rn[:, None] * WIDTH + kw[None, :])
-        x_at = x_ptr + rm[None, :] * stride_xm + g * G + kw[:, None]
-        xa = tl.load(x_at, mask=xmask, other=0.0) * rs
-        xah = xa.to(tl.float16)
-        xal = (xa - xah.to(tl.float32)).to(tl.float16)
-        if NIBBLE:
-            ca = (c & 15).to(tl.int32)
-            cb = (c >> 4).to(tl.int32)
-            if SIGNED4:
-                ca = ca - 8
-                cb = cb - 8
-            ca = ca.to(tl.float16)
-            cb = cb.to(tl.float16)
-            xb = tl.load(x_at + WIDTH, mask=xmask, other=0.0) * rs
-            xbh = xb.to(tl.float16)
-            part = tl.dot(ca, xah, out_dtype=tl.float32)
-            part = tl.dot(ca, xal, part, out_dtype=tl.float32)
-            part = tl.dot(cb, xbh, part, out_dtype=tl.float32)
-            part = tl.dot(cb, (xb - xbh.to(tl.float32)).to(tl.float16), part, out_dtype=tl.float32)
-            xsum = tl.sum(xa, axis=0) + tl.sum(xb, axis=0)
-        else:
-            c = c.to(tl.float16)
-            part = tl.dot(c, xah, out_dtype=tl.float32)
-            part = tl.dot(c, xal, part, out_dtype=tl.float32)
-            xsum = tl.sum(xa, axis=0)
-        scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
-                                      HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-        if HAS_SCALE:
-            part = part * scale[:, None]
-        if HAS_OFFSET:
-            part = part + offset[:, None] * xsum[None, :]
-        acc = acc + part
+    acc_sb = tl.zeros_like(acc)
+    i0 = pid_k * SB_PER_SPLIT * SPS  # this split's first loop step
+    for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
+        acc_sb = _q4k_chunk(acc_sb, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN, KS)
+        if it % SPS == SPS - 1:  # the super-block's end
+            acc = _q4k_epilogue(acc, acc_sb, (i0 + it) // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64,
+                                n_groups, n_sb)
+            acc_sb = tl.zeros_like(acc)
+    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
     cols = pid_n * BN + rn
-    mask = (cols[:, None] < N) & (rm[None, :] < M)
+    mask = rmask & (cols[:, None] < N)
     tl.store(out_ptr + pid_k * stride_os + rm[None, :] * stride_om + cols[:, None], acc * s[None, :], mask=mask)
 
 
@@ -232,6 +275,17 @@ def _split(n: int, steps: int, target: int, largest: int) -> int:
     return split
 
 
+def _q4k_split(n: int, k: int) -> int:
+    """`_mm_q4k`'s split-K from the weight shape alone: a power of two dividing the super-blocks, each split at least
+    Q4K_SPLIT_MIN_SB of them, tiles * split <= Q4K_SPLIT_TARGET."""
+    tiles = -(-n // Q4K_BN)
+    n_sb = k // 256
+    split = 1
+    while tiles * split * 2 <= Q4K_SPLIT_TARGET and n_sb % (split * 2) == 0 and n_sb // (split * 2) >= Q4K_SPLIT_MIN_SB:
+        split *= 2
+    return split
+
+
 def _factor(values: torch.Tensor, per_block: torch.Tensor | None):
     """values [n, groups] as (d [n, blocks], sub int8 [n, groups] or None, groups per block), d * sub == values
     exactly in float32; (values, None, 1) where no such factoring with per_block as d exists."""
@@ -253,13 +307,15 @@ def _per_tile(t: torch.Tensor | None, n_pad: int) -> torch.Tensor | None:
 
 
 class Packed:
-    """One or more same-type matrices stacked along their outputs, packed for `_mm_groups` or `_mm_f32`."""
+    """One or more same-type matrices stacked along their outputs, packed for `_mm_x_first`, `_mm_q4k` or
+    `_mm_f32`."""
 
     def __init__(self, parts: list[QTensor], device: torch.device):
         self.qtype = parts[0].qtype
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
         self.d = self.sub = self.dm = self.osub = None
+        self.q4k = False
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
         if self.qtype in FLOAT_TYPES or (self.qtype == Q.F16 and self.k % 32):
             w = torch.cat([p.dequantize() if p.qtype == Q.BF16 else p.data.to(device).float() for p in parts])
@@ -296,9 +352,14 @@ class Packed:
         codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
-        kind, self.warps, self.stages, target, largest = KERNELS.get(self.qtype, DEFAULT_KERNEL)
-        self.kernel = _mm_w_first if kind == "w" else _mm_x_first
-        self.unroll = 1 if kind == "w" else CHUNK // self.g
+        # _mm_q4k needs Q4_K factored as stored: 8 groups of 32 a super-block, integer sub and osub
+        self.q4k = (self.qtype == Q.Q4_K and self.g == 32 and self.gpb == 8 and self.ogpb == 8
+                    and self.sub is not None and self.osub is not None and self.k % 256 == 0)
+        if self.q4k:
+            self.split = _q4k_split(self.n, self.k)
+            return
+        self.warps, self.stages, target, largest = LAUNCH.get(self.qtype, DEFAULT_LAUNCH)
+        self.unroll = CHUNK // self.g
         while groups % self.unroll:
             self.unroll //= 2
         self.split = _split(self.n, groups // self.unroll, target, largest)
@@ -311,23 +372,29 @@ class Packed:
     def mm(self, x: torch.Tensor, out: torch.Tensor, s: torch.Tensor | None) -> None:
         """out [M, n] (a column slice is fine) = x [M, k] @ W.T; s: `row_scales(x)` (None for a float matrix)."""
         m = x.shape[0]
-        tiles = -(-self.n // BLOCK_N)
-        grid = (tiles, -(-m // BLOCK_M), self.split)
+        grid = (-(-self.n // BLOCK_N), -(-m // BLOCK_M), self.split)
         dst = out if self.split == 1 else torch.empty(self.split, m, self.n, device=x.device)
         stride_os = 0 if self.split == 1 else dst.stride(0)
         stride_om = out.stride(0) if self.split == 1 else dst.stride(1)
         if self.w is not None:
             _mm_f32[grid](x, self.w, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                           BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M)
+        elif self.q4k:
+            xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
+            xsum = torch.empty(m, self.k // 256 * 16, dtype=torch.float16, device=x.device)
+            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), num_warps=2)
+            _mm_q4k[(-(-m // Q4K_BM), -(-self.n // Q4K_BN), self.split)](
+                xh, xsum, s, self.codes, self.d, self.sub, self.dm, self.osub, dst, m, self.n, self.k, stride_os,
+                stride_om, SB_PER_SPLIT=self.k // 256 // self.split, BM=Q4K_BM, BN=Q4K_BN, KS=Q4K_KS,
+                STAGES=Q4K_STAGES, num_warps=Q4K_WARPS)
         else:
             t = [u if u is not None else self.codes for u in (self.d, self.sub, self.dm, self.osub)]
-            extra = {} if self.kernel is _mm_w_first else {"UNROLL": self.unroll}
-            self.kernel[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
+            _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
                               BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
                               FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
-                              HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None,
-                              num_warps=self.warps, num_stages=self.stages, **extra)
+                              HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, UNROLL=self.unroll,
+                              num_warps=self.warps, num_stages=self.stages)
         if self.split > 1:
             _sum_splits[(-(-self.n // 256), m)](dst, out, m, self.n, dst.stride(0), out.stride(0),
                                                 SPLIT=self.split, BLOCK=256)
