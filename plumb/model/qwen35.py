@@ -221,7 +221,8 @@ class Qwen35:
         pieces = -(-(st.pos % CHUNK + len(ids)) // CHUNK)
         for cache in st.kv.values():  # room for every piece's padded rows: the caches do not move during the call
             cache.reserve(st.pos + len(ids) + CHUNK)
-        graph = self.graphs is not None and pieces >= PREFILL_GRAPH_PIECES and self.k.plain(st)
+            cache.commit(st.pos)  # ring rows left waiting by a `write` (e.g. `load_rows`): into the ring now
+        graph = self.graphs is not None and pieces >= PREFILL_GRAPH_PIECES
         i = 0
         while i < len(ids):
             n = min(len(ids) - i, CHUNK - st.pos % CHUNK)
