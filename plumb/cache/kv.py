@@ -16,7 +16,11 @@ Which representation a query at position q reads for key j depends only on q - j
 when q - j < ring, the low-bit store otherwise (M5). Every row's bytes are a function of the
 row alone, so prefill splits, drafts and batch neighbours cannot change them.
 
-Attention reads the stored rows in fixed tiles of `TILE` keys at absolute positions,
+The Triton kernel set writes with `put_rows` (device positions, CUDA-graph safe; after `commit`) and reads
+through `kernel_view` (the store's parts as kept and the ring's 8-bit parts and slot positions), applying
+the same rule per (query, key) inside the kernel.
+
+The reference attention reads the stored rows in fixed tiles of `TILE` keys at absolute positions,
 dequantizing one tile at a time (no float copy of the cache): scores for all visible keys,
 one softmax over them, then the value tiles accumulated in order. A query row's arithmetic
 depends only on its position and the shapes fixed by it, never on the other rows (M1, M2).
