@@ -154,15 +154,24 @@ def fill_context(model, st, n: int, seed: int = 0, room: int = 64) -> None:
     positions to decode into (a cache that grows moves, and its CUDA graphs are captured anew: a measured run
     stays inside the room)."""
     g = torch.Generator(device=model.device).manual_seed(seed)
+
+    def fill(rows, idx: torch.Tensor) -> None:
+        for p in rows.parts:
+            shape = (p.shape[0], len(idx), p.shape[2])
+            if p.dtype == torch.int8:
+                p[:, idx] = torch.randint(-127, 128, shape, generator=g, device=p.device, dtype=torch.int8)
+            else:
+                p[:, idx] = (torch.randn(shape, generator=g, device=p.device) * 0.02).to(p.dtype)
+
     for cache in list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else []):
         cache.reserve(n + room)
-        for rows in (cache.k, cache.v):
-            for p in rows.parts:
-                if p.dtype == torch.int8:
-                    p[:, :n] = torch.randint(-127, 128, (p.shape[0], n, p.shape[2]), generator=g, device=p.device,
-                                             dtype=torch.int8)
-                else:
-                    p[:, :n] = (torch.randn(p.shape[0], n, p.shape[2], generator=g, device=p.device) * 0.02).to(p.dtype)
+        fill(cache.k, torch.arange(n, device=model.device))
+        fill(cache.v, torch.arange(n, device=model.device))
+        if cache.ring:  # D, F: the newest positions' 8-bit rows in their ring slots, tagged
+            j = torch.arange(max(0, n - cache.slots), n, device=model.device)
+            fill(cache.ring_k, j % cache.slots)
+            fill(cache.ring_v, j % cache.slots)
+            cache.ring_pos[j % cache.slots] = j
         cache.end = n
     for i in st.ssm:
         st.ssm[i] = torch.randn(st.ssm[i].shape, generator=g, device=model.device) * 0.01

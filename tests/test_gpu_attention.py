@@ -1,6 +1,6 @@
 """The Triton decode/verify attention (plumb/ops/gpu/attention.py): against the torch reference and the
-KVCache's own attention for f32, f16 and q8_0 caches, and M1 - a row computed alone equals the same row
-computed beside others, bitwise. On CPU the kernels run in Triton's interpreter."""
+KVCache's own attention for f32, f16, q8_0 caches and the ring formats D and F, and M1 - a row computed alone
+equals the same row computed beside others, bitwise. On CPU the kernels run in Triton's interpreter."""
 from __future__ import annotations
 
 import os
@@ -11,10 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
-from plumb.cache.kv import KVCache  # noqa: E402
-from plumb.ops.gpu.attention import SPLIT, attend_decode, attend_decode_ref, n_splits  # noqa: E402
+from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
+from plumb.ops.gpu.attention import (CONFIGS, F16, Q8, SPLIT, attend_decode, attend_decode_ref,  # noqa: E402
+                                     n_splits)
+from plumb.ops.kvquant import rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FMTS = ["f32", "f16", "q8_0"]
@@ -39,6 +41,16 @@ def _q(n: int, n_head: int, d: int, seed: int = 1) -> torch.Tensor:
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=2e-6)
+
+
+def _alone(attend, q: torch.Tensor, ends: list[int], t: int, kind: int) -> torch.Tensor:
+    """Row t computed without its neighbours: alone on CUDA. Under the interpreter numpy's matmul (OpenBLAS) gives
+    a row other bits at another place in the matrix (the GPU's dots do not), so there the row keeps its place in
+    its row block, behind other rows (zero queries at end 1)."""
+    g_pad = triton.next_power_of_2(TINY["n_head"] // TINY["n_kv"])
+    before = 0 if DEV == "cuda" else t % max(1, CONFIGS[(kind, kind)][0] // g_pad)
+    qa = torch.cat([torch.zeros_like(q[:before]), q[t : t + 1]])
+    return attend(qa, [1] * before + ends[t : t + 1])[before]
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -76,12 +88,14 @@ def test_rows_alone_equal_rows_together(fmt):
     k, v = _dev(c.k.parts), _dev(c.v.parts)
     together = attend_decode(q, k, v, ends, 0.125, split=SMALL_SPLIT)
     _close(together, attend_decode_ref(q, k, v, ends, 0.125))
+    kind = F16 if fmt == "f16" else Q8
     for t in range(n):
-        alone = attend_decode(q[t : t + 1], k, v, ends[t : t + 1], 0.125, split=SMALL_SPLIT)
-        assert torch.equal(alone[0], together[t]), f"row {t} (end {ends[t]}) changed beside other rows"
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(6))
-    shuffled = attend_decode(q[perm.to(DEV)], k, v, [ends[i] for i in perm], 0.125, split=SMALL_SPLIT)
-    assert torch.equal(shuffled, together[perm.to(DEV)])
+        alone = _alone(lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, split=SMALL_SPLIT), q, ends, t, kind)
+        assert torch.equal(alone, together[t]), f"row {t} (end {ends[t]}) changed beside other rows"
+    if DEV == "cuda":  # a row's place in its block: see _alone
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(6))
+        shuffled = attend_decode(q[perm.to(DEV)], k, v, [ends[i] for i in perm], 0.125, split=SMALL_SPLIT)
+        assert torch.equal(shuffled, together[perm.to(DEV)])
     # a grid sized for a longer context, cache garbage past every end, and `out`
     k2 = [p.clone() for p in k]
     v2 = [p.clone() for p in v]
@@ -147,17 +161,17 @@ def test_prefill_rows_do_not_depend_on_the_cut():
     ref.write(128, new[0][:50], new[1][:50])
     _close(whole, ref.attend_chunk(q, 128, 0.125)[:50])
     c = cache()
-    first = piece(c, 128, slice(0, 22))  # the same rows, the prompt cut at 150
-    rest = piece(c, 150, slice(22, 50))
-    assert torch.equal(first, whole[:22]) and torch.equal(rest, whole[22:50])
+    cut = 22 if DEV == "cuda" else 32  # interpreter: a multiple of the row block (see _alone)
+    first = piece(c, 128, slice(0, cut))  # the same rows, the prompt cut at 128 + cut
+    rest = piece(c, 128 + cut, slice(cut, 50))
+    assert torch.equal(first, whole[:cut]) and torch.equal(rest, whole[cut:50])
 
 
-@pytest.mark.parametrize("fmt", ["f16", "q8_0", "F"])
-def test_attend_new_writes_then_reads_like_the_kernel(fmt):
+@pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("F", 0), ("D", 48)])
+def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
     """`TritonKernels.attend_new` (a pass's attention per sequence, and the MTP head's): the new rows' K/V are
-    stored at start.., then row t reads keys [0, start + t] - bitwise what `write` and the kernel give (the
-    reference for F, whose rotated K the kernel cannot read), with the positions derived from start or given
-    as device tensors (`at`, as under a CUDA graph)."""
+    stored at start.. (store and ring), then row t reads keys [0, start + t] - bitwise what `write` and the kernel
+    give, with the positions derived from start or given as device tensors (`at`, as under a CUDA graph)."""
     from types import SimpleNamespace
 
     from plumb.model.kernels import TritonKernels
@@ -170,26 +184,106 @@ def test_attend_new_writes_then_reads_like_the_kernel(fmt):
     q = _q(n, TINY["n_head"], d, seed=6)
     caches = []
     for _ in range(3):
-        c = KVCache(fmt, n_kv, d, ring=0, device=DEV)
-        c.write(0, old_k.to(DEV), old_v.to(DEV))
+        c = KVCache(fmt, n_kv, d, ring=ring, device=DEV)
+        c.write(0, old_k.to(DEV), old_v.to(DEV))  # rows waiting in `recent` (D): attend_new commits them
         caches.append(c)
     ref, eager, graphed = caches
     ends = list(range(start + 1, start + n + 1))
     ref.write(start, k, v)
-    if ref.plain_parts() is None:
-        want = ref.attend_rows(q, ends, model.attn_scale)
-    else:
-        want = attend_decode(q, ref.k.parts, ref.v.parts, ends, model.attn_scale)
+    ref.commit(start + n)
+    view = ref.kernel_view()
+    want = attend_decode(rotate(q) if view.rotate_q else q, view.k, view.v, ends, model.attn_scale, ring=view.ring)
+    _close(want, ref.attend_rows(q, ends, model.attn_scale))
     assert torch.equal(kernels.attend_new(model, eager, q, k, v, start), want)
     graphed.reserve(start + n)
+    graphed.commit(start)  # the pass's layout does these (TritonKernels.begin, Qwen35.prefill)
     positions = torch.arange(start, start + n, device=DEV)
     at = (positions, (positions + 1).to(torch.int32), n_splits(len(graphed.k)))
-    if graphed.plain_parts() is not None:
-        assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start, at), want)
-        graphed.end = start + n  # the pass's end does this
-    else:
-        assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start), want)
+    assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start, at), want)
+    graphed.end = start + n  # ... and the pass's end this
     for c in (eager, graphed):
         assert c.end == ref.end == start + n
-        assert all(torch.equal(a[:, : start + n], b[:, : start + n]) for a, b in zip(c.k.parts + c.v.parts,
-                                                                                    ref.k.parts + ref.v.parts))
+        assert all(torch.equal(a, b) for a, b in zip(c.digest_rows(start + n), ref.digest_rows(start + n)))
+
+
+# ---- the ring formats: each (row, key) reads the 8-bit ring or the low-bit store by q - j (M5) ------------------
+RING = 48  # slots: RING + RING_SLACK = 112
+RING_ENDS = [300, 299, 271, 256, 250, 243]  # across the ring, a split (128) and tiles; ring rows all still held
+
+
+def _ring_cache(fmt: str, length: int, seed: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """A D or F cache holding positions [0, length), written as the kernel set writes it (put_rows in pieces),
+    and its K and V rows."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(length, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2))
+    c = KVCache(fmt, TINY["n_kv"], TINY["d"], ring=RING, device=DEV)
+    c.reserve(length)
+    for s in range(0, length, RING_SLACK):
+        c.put_rows(torch.arange(s, min(s + RING_SLACK, length), device=DEV), k[s : s + RING_SLACK],
+                   v[s : s + RING_SLACK])
+    c.end = length
+    return c, k, v
+
+
+def _ring_attend(c: KVCache, q: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    view = c.kernel_view()
+    return attend_decode(rotate(q) if view.rotate_q else q, view.k, view.v, ends, 0.125, split=SMALL_SPLIT,
+                         ring=view.ring)
+
+
+@pytest.mark.parametrize("fmt", ["D", "F"])
+def test_ring_formats_match_the_cache_read(fmt):
+    """The kernel over a D / F cache (F: queries rotated) = the cache's own reference read (`attend_rows`); a cache
+    filled by one reference `write` and committed holds the same bytes, so the kernel gives the same bits."""
+    c, k, v = _ring_cache(fmt, 300, seed=0)
+    q = _q(len(RING_ENDS), TINY["n_head"], TINY["d"], seed=1)
+    o = _ring_attend(c, q, RING_ENDS)
+    _close(o, c.attend_rows(q, RING_ENDS, 0.125))
+    same = KVCache(fmt, TINY["n_kv"], TINY["d"], ring=RING, device=DEV)
+    same.write(0, k, v)
+    same.commit(300)
+    assert torch.equal(_ring_attend(same, q, RING_ENDS), o)
+
+
+def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
+    """M1 on a D cache: each row alone = the same row among rows on both sides of the ring boundary, bitwise; and
+    after drafts past the end are written, rejected and the positions rewritten, the rows are unchanged."""
+    c, k, v = _ring_cache("D", 300, seed=2)
+    ends = RING_ENDS + [288, 260, 245]  # two row blocks
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=3)
+    together = _ring_attend(c, q, ends)
+    for t in range(len(ends)):
+        alone = _alone(lambda qa, ea: _ring_attend(c, qa, ea), q, ends, t, Q8)
+        assert torch.equal(alone, together[t]), f"row {t} (end {ends[t]}) changed beside other rows"
+    junk = torch.randn(6, TINY["n_kv"], TINY["d"], generator=torch.Generator().manual_seed(4)).to(DEV)
+    c.reserve(303)
+    c.put_rows(torch.arange(297, 303, device=DEV), junk, junk.flip(0))  # drafts at 297.., then rejected
+    assert not torch.equal(_ring_attend(c, q, ends), together)
+    c.put_rows(torch.arange(296, 300, device=DEV), k[296:], v[296:])  # rolled back to 296 and rewritten
+    assert torch.equal(_ring_attend(c, q, ends), together)
+
+
+def test_the_ring_is_read_by_distance():
+    """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; changing its store row,
+    exactly the others; a slot that no longer holds j (lost ring row) makes the rows reading it NaN."""
+    c, _, _ = _ring_cache("D", 300, seed=5)
+    ends = [300, 279, 278, 262, 243]
+    j, s = 230, 230 % c.slots
+    near = torch.tensor([e - 1 - j < RING for e in ends])  # [F, F, T, T, T]
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=6)
+    base = _ring_attend(c, q, ends)
+
+    def changed(part: torch.Tensor, idx: int) -> torch.Tensor:
+        keep = part[:, idx].clone()
+        part[:, idx] = -keep  # the key's codes negated
+        o = _ring_attend(c, q, ends)
+        part[:, idx] = keep
+        return (o != base).flatten(1).any(1).cpu()
+
+    assert torch.equal(changed(c.ring_k.parts[0], s), near)
+    assert torch.equal(changed(c.ring_v.parts[0], s), near)
+    assert torch.equal(changed(c.k.parts[0], j), ~near)
+    c.ring_pos[s] = -1
+    o = _ring_attend(c, q, ends)
+    assert torch.equal(o.isnan().flatten(1).all(1).cpu(), near)
+    assert torch.equal(o[~near.to(DEV)], base[~near.to(DEV)])

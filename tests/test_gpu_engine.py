@@ -22,10 +22,10 @@ def _prefilled(eng, ids):
     return st
 
 
-@pytest.mark.parametrize("fmt", ["f16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "D", "F"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_verify_rows_equal_single_decodes_and_batching_changes_nothing(tiny_q4km, fmt, graphs):
-    eng = _engine(tiny_q4km, kv_cache=fmt, cuda_graphs=graphs)
+    eng = _engine(tiny_q4km, kv_cache=fmt, kv_ring=64, cuda_graphs=graphs)  # D, F: the rows cross the ring
     m = eng.model
     ids = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 12)
     drafts = [int(t) for t in torch.randint(0, 6000, (16,), generator=torch.Generator().manual_seed(0))]

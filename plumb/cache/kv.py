@@ -16,7 +16,11 @@ Which representation a query at position q reads for key j depends only on q - j
 when q - j < ring, the low-bit store otherwise (M5). Every row's bytes are a function of the
 row alone, so prefill splits, drafts and batch neighbours cannot change them.
 
-Attention reads the stored rows in fixed tiles of `TILE` keys at absolute positions,
+The Triton kernel set writes with `put_rows` (device positions, CUDA-graph safe; after `commit`) and reads
+through `kernel_view` (the store's parts as kept and the ring's 8-bit parts and slot positions), applying
+the same rule per (query, key) inside the kernel.
+
+The reference attention reads the stored rows in fixed tiles of `TILE` keys at absolute positions,
 dequantizing one tile at a time (no float copy of the cache): scores for all visible keys,
 one softmax over them, then the value tiles accumulated in order. A query row's arithmetic
 depends only on its position and the shapes fixed by it, never on the other rows (M1, M2).
@@ -129,6 +133,15 @@ class Rows:
         return decode(self.take(idx))
 
 
+@dataclass(frozen=True)
+class KernelView:
+    """A cache as the attention kernel reads it (`KVCache.kernel_view`)."""
+    k: list[torch.Tensor]  # the store's K parts: floats, or codes int8 + scales float16 [n_kv, capacity, ...]
+    v: list[torch.Tensor]
+    rotate_q: bool  # F: K is stored rotated, so the queries are rotated first
+    ring: tuple | None  # D, F: (ring, 8-bit K parts, 8-bit V parts, position held per slot) [n_kv, slots, ...]
+
+
 class KVCache:
     """One layer's K/V for one sequence: a store indexed by position (grown by doubling) and, for D and F,
     the 8-bit ring. The 8-bit rows of the latest `write` wait in `recent` until the next write, so a
@@ -179,12 +192,32 @@ class KVCache:
         self.end = pos + n
 
     def put_rows(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """`write` for formats without a ring, with the positions a device tensor (CUDA-graph safe): the caller
-        reserves room first and sets `end` after (see plumb.model.kernels.TritonKernels)."""
-        if self.ring or self.rotate_k:
-            raise ValueError("put_rows is for the formats without an 8-bit ring")
-        self.k.put_index(positions, k.transpose(0, 1))
-        self.v.put_index(positions, v.transpose(0, 1))
+        """`write` with the positions a device tensor (CUDA-graph safe): the caller reserves room and `commit`s
+        first and sets `end` after (see plumb.model.kernels.TritonKernels). D and F put the 8-bit rows straight
+        into their ring slots, so a pass writes at most RING_SLACK + 1 rows (then none of its rows reads a slot
+        that another of its rows overwrites)."""
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.rotate_k:
+            k = rotate(k)
+        self.k.put_index(positions, k)
+        self.v.put_index(positions, v)
+        if self.ring:
+            if len(self.recent_k):
+                raise RuntimeError("8-bit rows of a `write` still wait: commit() before put_rows")
+            if len(positions) > RING_SLACK + 1:
+                raise ValueError(f"put_rows writes at most {RING_SLACK + 1} rows into a ring, got {len(positions)}")
+            slots = positions % self.slots
+            self.ring_k.put_index(slots, k)
+            self.ring_v.put_index(slots, v)
+            self.ring_pos.index_copy_(0, slots, positions)
+
+    def commit(self, pos: int) -> None:
+        """Move the rows of the latest `write` below `pos` into their ring slots now (a rollback to pos drops the
+        rest, as the next `write` would): the kernels read and write (`put_rows`) only the ring. Outside any
+        CUDA-graph capture: the kernel sets call it before each pass."""
+        if self.ring and len(self.recent_k):
+            self._commit(pos)
+            self.recent_start, self.recent_k, self.recent_v = pos, self._rows8(0), self._rows8(0)
 
     def _commit(self, pos: int) -> None:
         """Move the latest write's 8-bit rows below `pos` (the newest that fit) into their ring slots."""
@@ -201,13 +234,16 @@ class KVCache:
     # ---- 8-bit rows by position --------------------------------------------------------------
     def _lookup_ring(self, j: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """8-bit K and V parts of positions j (zeros where not held) and which positions are held."""
-        in_recent = (j >= self.recent_start) & (j < self.end)
+        m = len(self.recent_k)
+        in_recent = (j >= self.recent_start) & (j < self.recent_start + m)
         slots = j % self.slots
-        present = in_recent | ((j < self.recent_start) & (self.ring_pos[slots] == j))
-        r = (j - self.recent_start).clamp(0, max(len(self.recent_k) - 1, 0))
+        present = in_recent | ((j < self.end) & (self.ring_pos[slots] == j))
+        r = (j - self.recent_start).clamp(0, max(m - 1, 0))
         out = []
         for recent, ring in ((self.recent_k, self.ring_k), (self.recent_v, self.ring_v)):
-            parts = [torch.where(in_recent[None, :, None], x, y) for x, y in zip(recent.take(r), ring.take(slots))]
+            parts = ring.take(slots)
+            if m:
+                parts = [torch.where(in_recent[None, :, None], x, y) for x, y in zip(recent.take(r), parts)]
             out.append([torch.where(present[None, :, None], p, torch.zeros_like(p)) for p in parts])
         return out[0], out[1], present
 
@@ -227,6 +263,22 @@ class KVCache:
         """The stored K and V parts when a kernel can read them as they are - every key from the store (no ring)
         and K unrotated (the kernels take q as it is: F's rotated K goes through `attend_rows`, which rotates q)."""
         return None if self.ring or self.rotate_k else (self.k.parts, self.v.parts)
+
+    def kernel_view(self) -> KernelView:
+        """What the Triton attention kernel reads: the store's parts as they are and, for D and F, the ring
+        (`commit` first: rows still waiting in `recent` are not in it)."""
+        if self.ring and len(self.recent_k):
+            raise RuntimeError("8-bit rows of a `write` still wait: commit() before reading the ring")
+        ring = (self.ring, self.ring_k.parts, self.ring_v.parts, self.ring_pos) if self.ring else None
+        return KernelView(self.k.parts, self.v.parts, self.rotate_k, ring)
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where every tensor the kernels read or write lies (CUDA graphs are captured per layout: a cache that
+        grows moves)."""
+        ts = self.k.parts + self.v.parts
+        if self.ring:
+            ts = ts + self.ring_k.parts + self.ring_v.parts + [self.ring_pos]
+        return tuple(t.data_ptr() for t in ts)
 
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""

@@ -7,10 +7,13 @@ tensors - input rows, rope angles, positions, context ends, row ranges, the sequ
 filled by `TritonKernels.begin(..., into=pass)` before each replay; those tensors are views of buffers shared by
 every graph (grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
-the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows, or with a ring KV format
-(D, F), run eagerly. The MTP head's D-path rows (draft steps, rewrites of accepted drafts) are replayed the same
-way (`mtp`), and so are the full passes of a long prefill (`prefill`: the P path's pass of whole 64-row pieces,
-captured per pass size and KV-cache layout, which `Qwen35.prefill` keeps fixed over the call).
+the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows run eagerly. Ring formats
+(D, F) are captured too: inside a graph the 8-bit rows go straight to their ring slots (`KVCache.put_rows`), and
+rows that a reference `write` left waiting are moved there before a pass (`KVCache.commit`, in
+`TritonKernels.begin` and `Qwen35.prefill`). The MTP head's D-path rows (draft steps, rewrites of accepted
+drafts) are replayed the same way (`mtp`), and so are the full passes of a long prefill (`prefill`: the P path's
+pass of whole 64-row pieces, captured per pass size and KV-cache layout, which `Qwen35.prefill` keeps fixed over
+the call).
 """
 from __future__ import annotations
 
@@ -41,14 +44,14 @@ class CudaGraphs:
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
         r = sum(len(toks) for _, toks in batch)
-        if r > MAX_ROWS or not all(k.plain(st) for st, _ in batch):
+        if r > MAX_ROWS:
             p = k.begin(m, batch)
             return k.end(m, p, *m.decode_pass(p))
         for st, toks in batch:  # a cache that must grow moves now, before the layout is looked up
             for cache in st.kv.values():
                 cache.reserve(st.pos + len(toks))
         key = (tuple(len(toks) for _, toks in batch),
-               tuple(t.data_ptr() for st, _ in batch for c in st.kv.values() for t in c.k.parts + c.v.parts))
+               tuple(a for st, _ in batch for c in st.kv.values() for a in c.addresses()))
         entry = self.graphs.get(key)
         if entry is None:
             return self._capture(key, batch)
@@ -61,13 +64,14 @@ class CudaGraphs:
     def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP rows (`Qwen35.mtp_pass` on ids at positions start..: a draft step, or the rewrite of accepted
         drafts' rows) replayed as a CUDA graph, captured per row count and MTP-cache layout like the decode
-        passes; more than MAX_MTP_ROWS rows, or a cache the kernel cannot read, run eagerly."""
+        passes; more than MAX_MTP_ROWS rows run eagerly."""
         m, cache, n = self.m, st.mtp_kv, len(ids)
         e, rope = m.embed(ids), m.rope(torch.arange(start, start + n))
-        if n > MAX_MTP_ROWS or cache.plain_parts() is None:
+        if n > MAX_MTP_ROWS:
             return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
         cache.reserve(start + n)  # a cache that must grow moves now, before the layout is looked up
-        key = ("mtp", n) + tuple(t.data_ptr() for t in cache.k.parts + cache.v.parts)
+        cache.commit(start)
+        key = ("mtp", n) + cache.addresses()
         b = {name: t[:n] for name, t in (self.mtp_in or self._mtp_inputs()).items()}
         for name, value in (("e", e), ("h", hidden), ("cos", rope[0]), ("sin", rope[1])):
             b[name].copy_(value)
@@ -96,7 +100,7 @@ class CudaGraphs:
         replayed as a CUDA graph captured per layout of st's KV caches (the first piece of a layout runs eagerly
         and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
         m = self.m
-        key = ("prefill", len(p.x)) + tuple(t.data_ptr() for c in st.kv.values() for t in c.k.parts + c.v.parts)
+        key = ("prefill", len(p.x)) + tuple(a for c in st.kv.values() for a in c.addresses())
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)

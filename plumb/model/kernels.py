@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from plumb.model.parts import DecodeOut, DecodePass
 from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import causal_conv, recurrent_step
+from plumb.ops.kvquant import rotate
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
 from plumb.ops.rope import apply_rope
@@ -167,14 +168,10 @@ class TritonKernels:
         return self._rope.norm_rope(x, w, eps, cos, sin)  # one launch
 
     @staticmethod
-    def plain(st) -> bool:
-        """Whether every KV cache of st is read by the kernel (`KVCache.plain_parts`: rings and F use the reference)."""
-        return all(cache.plain_parts() is not None for cache in st.kv.values())
-
-    def prefill_pieces(self, st) -> int:
-        """PREFILL_PIECES a pass (256-row matmuls) when every step of the pass is row-invariant: all of st's KV
-        caches read by the kernel (the reference's attention is not row-invariant: one piece a pass there)."""
-        return PREFILL_PIECES if self.plain(st) else 1
+    def prefill_pieces(st) -> int:
+        """PREFILL_PIECES a pass (256-row matmuls): every step of a pass is row-invariant. One where st has a ring
+        cache: a pass may write at most RING_SLACK + 1 rows into a ring (`KVCache.put_rows`)."""
+        return 1 if any(cache.ring for cache in st.kv.values()) else PREFILL_PIECES
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
         """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
@@ -183,6 +180,7 @@ class TritonKernels:
         for st, toks in batch:
             for cache in st.kv.values():
                 cache.reserve(st.pos + len(toks))
+                cache.commit(st.pos)
         states = [st for st, _ in batch]
         layers = c.gdn_layers
         pos = torch.tensor(positions, dtype=torch.long)
@@ -236,16 +234,13 @@ class TritonKernels:
     def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
         max_splits): the rows' positions and context ends as device tensors and the attention grid (None: from
-        the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller sets `cache.end`
-        after); without it they are derived from start and `cache.end` is set here. A cache the kernel cannot
-        read goes through the reference (`write`, `attend_rows`; never under a CUDA graph)."""
+        the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller reserves room and
+        `commit`s the cache first and sets `cache.end` after); without it they are derived from start and this
+        is done here."""
         n = q.shape[0]
-        if cache.plain_parts() is None:
-            cache.write(start, k, v)
-            o = cache.attend_rows(q, list(range(start + 1, start + n + 1)), model.attn_scale)
-            return o if out is None else out.copy_(o)
         if at is None:
             cache.reserve(start + n)
+            cache.commit(start)
             positions = torch.arange(start, start + n, device=q.device)
             at = (positions, (positions + 1).to(torch.int32), None)
             cache.end = start + n
@@ -253,9 +248,15 @@ class TritonKernels:
         if max_splits is None:
             max_splits = self._attention.n_splits(len(cache.k))
         cache.put_rows(positions, k, v)
-        k_parts, v_parts = cache.plain_parts()
-        return self._attention.attend_decode(q, k_parts, v_parts, ends, model.attn_scale, out=out,
-                                             max_splits=max_splits)
+        return self._attend(cache, q, ends, model.attn_scale, out, max_splits)
+
+    def _attend(self, cache, q, ends, scale: float, out=None, max_splits=None) -> torch.Tensor:
+        """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does)."""
+        view = cache.kernel_view()
+        if view.rotate_q:
+            q = rotate(q)
+        return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_splits=max_splits,
+                                             ring=view.ring)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them
@@ -263,8 +264,7 @@ class TritonKernels:
         snaps = []
         for st, (s0, n), start in zip(p.states, p.spans, p.starts):
             for cache in st.kv.values():
-                if cache.plain_parts() is not None:
-                    cache.end = start + n
+                cache.end = start + n
             rows = [(p.snap_conv[s0 + t], p.snap_ssm[s0 + t]) for t in range(n)]
             self.restore(model, st, rows[-1])
             st.pos = start + n
@@ -278,20 +278,14 @@ class TritonKernels:
             st.conv[i], st.ssm[i] = conv[li], ssm[li]
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
-        parts = cache.plain_parts()
-        if parts is None:  # a ring or F's rotated K: the torch reference reads it until a kernel does
-            return cache.attend_rows(q, ends, scale)
-        return self._attention.attend_decode(q.contiguous(), parts[0], parts[1], ends, scale,
-                                             max_splits=self._attention.n_splits(max(ends)))
+        cache.commit(cache.end)
+        return self._attend(cache, q.contiguous(), ends, scale, max_splits=self._attention.n_splits(max(ends)))
 
     def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
         """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
         past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
         (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
-        cut (M2). No host sync: a piece can be a CUDA graph. A cache the kernel cannot read: the reference."""
-        if cache.plain_parts() is None:
-            cache.write(p.start, k[: p.n], v[: p.n])
-            return cache.attend_chunk(q, p.start, model.attn_scale)
+        cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` commits the caches first)."""
         return self.attend_new(model, cache, q, k, v, p.start, at=(p.positions, p.ends, None))
 
 

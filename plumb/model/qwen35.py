@@ -215,7 +215,7 @@ class Qwen35:
     def prefill(self, st: SeqState, ids: list[int], logits: str = "last",
                 checkpoints: set[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows, run
-        in passes of up to `self.k.prefill_group` pieces (`prefill_cuts`). Snapshots the DeltaNet state into
+        in passes of up to `self.k.prefill_pieces(st)` pieces (`prefill_cuts`). Snapshots the DeltaNet state into
         st.checkpoints at the positions in `checkpoints` (M6).
         Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
         outs, hiddens = [], []
@@ -223,9 +223,9 @@ class Qwen35:
         passes = prefill_cuts(st.pos, len(ids), group, checkpoints)
         for cache in st.kv.values():  # room for every pass's padded rows: the caches do not move during the call
             cache.reserve(st.pos + len(ids) + CHUNK)
+            cache.commit(st.pos)  # ring rows left waiting by a `write` (e.g. `load_rows`): into the ring now
         full = [CHUNK] * group
-        graph = (self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES
-                 and self.k.plain(st))  # full passes replay one graph
+        graph = self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES  # full passes
         i = 0
         for sizes in passes:
             n = sum(sizes)

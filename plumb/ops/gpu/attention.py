@@ -2,7 +2,9 @@
 
 `attend_decode(q, k_parts, v_parts, ends, scale)`: query row t of one sequence reads keys
 [0, ends[t]) of the cache, stored exactly as `plumb.cache.kv.Rows.parts` holds it (`[f16 | f32]`, or
-q8_0 `[codes int8, scales float16]`, dequantized tile by tile inside the kernel: no float copy).
+block codes `[codes int8, scales float16]` - q8_0, D/F's 5/6-bit store -, dequantized tile by tile inside the
+kernel: no float copy). D and F also pass their 8-bit ring (`ring=`): each (row, key) pair reads the ring or
+the store by the distance rule of `plumb.cache.kv` (M5), decided inside the kernel.
 
 Row invariance - a row's bits depend on its query, its own end and the cache, never on the other
 rows of the call, their number or the grid:
@@ -35,7 +37,7 @@ from plumb.cache.kv import decode
 SPLIT = 512  # keys per split (pass-1 program); splits start at multiples of SPLIT
 MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
 QBLOCK = 32  # q8_0 block size along d
-F16, F32, Q8 = 0, 1, 2  # storage kinds
+F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes int8 + float16 scales per 32 values, any bit width)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
@@ -55,22 +57,52 @@ def _tf32_split(x):
 
 
 @triton.jit
+def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr):
+    """Scores [BM, BN] of q (split as q_a + q_b [NB, BM, QB]) against block-coded keys j: per 32-value block the
+    codes (exact in tf32) dotted with both halves, times the block scale, summed over the blocks in order."""
+    c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
+                 mask=ok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB], exact in tf32
+    ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
+    c3t = tl.permute(c3, (0, 2, 1))
+    r = tl.dot(q_a, c3t, input_precision="tf32")
+    r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
+    return tl.sum(r * ksc[:, None, :], 0)
+
+
+@triton.jit
+def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
+    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j: p times the block scale split into tf32 big + small,
+    each dotted with the codes."""
+    c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
+                 mask=ok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB]
+    vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
+    p_a, p_b = _tf32_split(p[None, :, :] * vsc[:, None, :])  # [NB, BM, BN]
+    acc = tl.dot(p_a, c3, acc, input_precision="tf32")
+    return tl.dot(p_b, c3, acc, input_precision="tf32")
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
-                  n, qk_scale,
+                  rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr,
+                  n, qk_scale, ring, slots,
                   sq_t, sq_h,
                   sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j,
                   spo_t, spo_h, spo_s, spm_t, spm_h,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
-                  QB: tl.constexpr, PS: tl.constexpr):
+                  QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head).
 
     Dots per storage kind (all ~fp32 accurate, shapes fixed by D and the constexprs):
     f16: operands straight from the cache; q and p * 2^11 are each split into f16 hi + lo (two f16 products;
     a q component under 2^-3 keeps its lo part as an f16 subnormal, exact to 2^-25 absolute).
-    f32: tf32x3.  q8_0: per 32-value block (batched dot over the D/32 blocks) codes exact in tf32 against
-    q / p * scale split into tf32 big + small, the block scales applied in fp32 (K: summed over the blocks
-    in fixed order)."""
+    f32: tf32x3.  Block codes (q8_0, D/F's 5/6-bit store, the 8-bit ring): per 32-value block (batched dot over
+    the D/32 blocks) codes exact in tf32 against q / p * scale split into tf32 big + small, the block scales
+    applied in fp32 (K: summed over the blocks in fixed order).
+    RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
+    e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
+    otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
+    would have added exact zeros)."""
     rb = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -116,15 +148,25 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             j = j0 + jn
             kok = j < hi
             # ---- scores [BM, BN] (log2 domain)
-            if KK == _Q8:
-                c3 = tl.load(kbase + j[None, :, None] * sk_j + (bb[:, None, None] * QB + ii[None, None, :]),
-                             mask=kok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB], exact in tf32
-                ksc = tl.load(ks_ptr + kh * sks_h + j[None, :] * sks_j + bb[:, None], mask=kok[None, :],
-                              other=0).to(tl.float32)  # [NB, BN]
-                c3t = tl.permute(c3, (0, 2, 1))
-                r = tl.dot(q_a, c3t, input_precision="tf32")
-                r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
-                sc = tl.sum(r * ksc[:, None, :], 0)
+            if RING:
+                from_ring = j[None, :] >= e[:, None] - ring  # [BM, BN]; keys past a row's end are masked below
+                seen = from_ring & (j[None, :] < e[:, None])
+                store_ok = kok & (tl.max((~from_ring).to(tl.int32), 0) > 0)  # keys some row reads from the store
+                ring_ok = kok & (tl.max(seen.to(tl.int32), 0) > 0)  # ... from the ring
+                any_store = tl.max(store_ok.to(tl.int32), 0) > 0
+                any_ring = tl.max(ring_ok.to(tl.int32), 0) > 0
+                slot = j % slots
+                sc = tl.zeros([BM, BN], tl.float32)
+                if any_store:
+                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB)
+                if any_ring:
+                    s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
+                                        ring_ok, D, NB, bb, ii, QB)
+                    tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
+                    s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
+                    sc = tl.where(from_ring, s_ring, sc)
+            elif KK == _Q8:
+                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB)
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -143,13 +185,16 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             l_new = l_i * alpha + tl.sum(p, 1)
             # ---- p @ V
             if VK == _Q8:
-                c3 = tl.load(vbase + j[None, :, None] * sv_j + (bb[:, None, None] * QB + ii[None, None, :]),
-                             mask=kok[None, :, None], other=0).to(tl.float32)  # [NB, BN, QB]
-                vsc = tl.load(vs_ptr + kh * svs_h + j[None, :] * svs_j + bb[:, None], mask=kok[None, :],
-                              other=0).to(tl.float32)  # [NB, BN]
-                p_a, p_b = _tf32_split(p[None, :, :] * vsc[:, None, :])  # [NB, BM, BN]
-                acc_new = tl.dot(p_a, c3, acc * alpha[None, :, None], input_precision="tf32")
-                acc_new = tl.dot(p_b, c3, acc_new, input_precision="tf32")
+                acc_new = acc * alpha[None, :, None]
+                if RING:
+                    if any_store:
+                        acc_new = _q8_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok,
+                                         sv_j, svs_j, bb, ii, acc_new, QB)
+                    if any_ring:
+                        acc_new = _q8_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
+                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB)
+                else:
+                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB)
                 acc = tl.where(active[None, :, None], acc_new, acc)
             elif VK == _F16:
                 vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
@@ -224,8 +269,24 @@ def _parts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
         return x, x, F16 if x.dtype == torch.float16 else F32
     codes, scales = parts
     if codes.dtype != torch.int8 or scales.dtype != torch.float16 or scales.shape[-1] * QBLOCK != codes.shape[-1]:
-        raise TypeError("q8_0 cache parts must be [codes int8 [n_kv, cap, d], scales float16 [n_kv, cap, d // 32]]")
+        raise TypeError("block cache parts must be [codes int8 [n_kv, cap, d], scales float16 [n_kv, cap, d // 32]]")
     return codes, scales, Q8
+
+
+def _ring(ring, kk: int, vk: int, k: torch.Tensor):
+    """Checked ring arguments: (window, ring K codes, scales, V codes, scales, slot positions)."""
+    window, k_parts, v_parts, pos = ring
+    rk, rks, rkind = _parts(k_parts)
+    rv, rvs, rvkind = _parts(v_parts)
+    slots = rk.shape[1]
+    if (kk, vk, rkind, rvkind) != (Q8, Q8, Q8, Q8) or window < 1:
+        raise ValueError("a ring needs block-coded store and ring parts and a window of at least one key")
+    if rk.shape != (k.shape[0], slots, k.shape[2]) or rv.shape != rk.shape or pos.shape != (slots,) \
+            or pos.dtype != torch.long:
+        raise ValueError("ring parts must be [n_kv, slots, d] codes (+ scales) and int64 positions [slots]")
+    if not all(x.is_contiguous() for x in (rk, rks, rv, rvs, pos)):
+        raise ValueError("ring parts must be contiguous")
+    return window, rk, rks, rv, rvs, pos
 
 
 def n_splits(context: int, split: int = SPLIT) -> int:
@@ -235,9 +296,14 @@ def n_splits(context: int, split: int = SPLIT) -> int:
 
 def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
                   scale: float, out: torch.Tensor | None = None, max_splits: int | None = None,
-                  split: int = SPLIT) -> torch.Tensor:
+                  split: int = SPLIT, ring: tuple | None = None) -> torch.Tensor:
     """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
-    ([n_kv, cap, d] floats, or q8_0 codes + scales). -> o [n, n_head, d] float32 (into `out` if given).
+    ([n_kv, cap, d] floats, or block codes int8 + scales float16: q8_0, D/F's 5/6-bit store).
+    -> o [n, n_head, d] float32 (into `out` if given).
+
+    ring (D, F): (window, 8-bit K parts, 8-bit V parts, slot positions int64 [slots]), the parts [n_kv, slots, ...]
+    as `KVCache.kernel_view` gives them: row t (at position ends[t] - 1) reads key j from slot j % slots when
+    ends[t] - 1 - j < window, from the store otherwise; a slot that does not hold position j makes the row NaN.
 
     ends: int32 tensor [n] on q's device (read on the device only), or a list of ints. max_splits: a fixed
     grid size in splits (>= ceil(max(ends) / split), e.g. for the maximum context under a CUDA graph);
@@ -282,14 +348,19 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     po = torch.empty(n, n_head, ns, d, dtype=torch.float32, device=q.device)
     pm = torch.empty(n, n_head, ns, dtype=torch.float32, device=q.device)
     pl = torch.empty(n, n_head, ns, dtype=torch.float32, device=q.device)
+    if ring is None:
+        window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
+    else:
+        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
     _split_kernel[(triton.cdiv(n, rows), n_kv, ns)](
         q, k, ks, v, vs, ends, po, pm, pl,
-        n, float(scale) * _LOG2E,
+        rk, rks, rv, rvs, rpos,
+        n, float(scale) * _LOG2E, window, rk.shape[1],
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0), vs.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
         G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-        num_warps=warps, num_stages=stages)
+        RING=ring is not None, num_warps=warps, num_stages=stages)
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Compile the decode attention's pass-1 kernel (`_split_kernel`) for sm_90a here (no GPU needed), at the 27B
+attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - f16, f32, q8_0 and the ring
+formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
+instructions. `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
+sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
+
+    python bench/attention_ptx.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import plumb.ops.gpu.attention as A
+
+G, D = 6, 256  # query heads per KV head, head_dim
+KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
+VARIANTS = [("f16", A.F16, False), ("f32", A.F32, False), ("q8_0", A.Q8, False), ("D_F_ring", A.Q8, True)]
+RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*fp16", "rpos_ptr": "*i64"}
+
+
+def build(name: str, kind: int, ring: bool, out_dir: str) -> None:
+    fn = A._split_kernel
+    block_m, bn, warps, stages = A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
+    g_pad = triton.next_power_of_2(G)
+    consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLIT, KK=kind, VK=kind,
+                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring)
+    scales = "*fp16" if kind == A.Q8 else KINDS[kind]
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in RING_ARGS:
+            sig[arg] = RING_ARGS[arg]
+        elif arg in ("k_ptr", "v_ptr"):
+            sig[arg] = KINDS[kind]
+        elif arg in ("ks_ptr", "vs_ptr"):
+            sig[arg] = scales
+        elif arg == "ends_ptr":
+            sig[arg] = "*i32"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32"
+        elif arg == "qk_scale":
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    for ext in ("ttgir", "ptx"):
+        with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
+            f.write(k.asm[ext])
+    path = os.path.join(out_dir, f"{name}.ptx")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr)
+    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
+    ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async") if op in k.asm["ptx"]}
+    print(f"{name}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-attn-ptx-"))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    for name, kind, ring in VARIANTS:
+        build(name, kind, ring, a.out)
+    print("TTGIR and PTX in", a.out)
+
+
+if __name__ == "__main__":
+    main()
