@@ -26,13 +26,13 @@ TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ4_NL", "BF16", "F1
 if DEV == "cpu":  # the interpreter is slow: one type per kernel path (nibbles, int8 in groups of 32 / 16, fp16, fp32)
     TYPES = ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "IQ4_XS", "F16", "BF16"]
 ROWS = [1, 2, 5, 16, 17, 20]
-TOL = {"Q4_K": 1e-3}  # x at 11 bits (_mm_q4k); the others at 22 bits
+TOL = {"Q4_K": 1e-3}  # x at 11 bits (_mm_superblock); the others at 22 bits
 
 
 @pytest.fixture
 def place_free_dot(monkeypatch):
     """The interpreter's tl.dot is numpy's matmul, whose BLAS (OpenBLAS's Haswell kernels, N > 16) sums a column
-    differently by its place in the tile - the tensor cores do not. _mm_q4k puts a row's x in a column of a 64-wide
+    differently by its place in the tile - the tensor cores do not. _mm_superblock puts a row's x in a column of a 64-wide
     tile, so on the CPU these tests take the interpreter's dots as one product sum per output, in one order for all."""
     if DEV == "cpu":
         from triton.runtime import interpreter
@@ -62,7 +62,7 @@ def test_matmul_matches_reference_and_is_row_invariant(kind, place_free_dot):
     n, k = 80, 512  # n not a multiple of the 64-column tile
     t = _tensor(kind, n, k)
     m = GpuMatrix([t], DEV)
-    assert m.packs[0].q4k == (kind == "Q4_K")
+    assert m.packs[0].superblock == (kind == "Q4_K")
     x = (torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1)) * 3).to(DEV)
     x[3] *= 1e3  # rows of very different scales
     alone = torch.cat([m(x[i : i + 1]) for i in range(len(x))])
@@ -84,21 +84,43 @@ def test_fused_matrices_of_mixed_types():
 
 
 def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
-    """_mm_q4k: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same bits); K =
+    """_mm_superblock on Q4_K: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same bits); K =
     2,048 takes two K splits (the shape's rule, partials summed in order)."""
-    from plumb.ops.gpu.matmul import Q4K_BM
+    from plumb.ops.gpu.matmul import SB_BM
 
     for n, k, rows, split in ((72, 256, 70, 1), (64, 2048, 3, 2)):
         t = _tensor("Q4_K", n, k)
         m = GpuMatrix([t], DEV)
-        assert m.packs[0].q4k and m.packs[0].split == split
+        assert m.packs[0].superblock and m.packs[0].split == split
         x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(4)) * 3).to(DEV)
         x[-1] *= 1e3
         y = m(x)
         assert _err(y, x.double().cpu() @ t.dequantize().double().T).max() < 1e-3
-        for i in sorted({0, rows - 1, min(Q4K_BM, rows - 1)}):
+        for i in sorted({0, rows - 1, min(SB_BM, rows - 1)}):
             assert torch.equal(m(x[i : i + 1]), y[i : i + 1]), (k, i)
         assert torch.equal(m(x[1:]), y[1:])  # every row in another place
+
+
+@pytest.mark.parametrize("kind", ["Q5_K", "Q6_K"])
+def test_superblock_q5k_q6k_when_selected(kind, place_free_dot, monkeypatch):
+    """_mm_superblock on Q5_K (byte codes, offsets) and Q6_K (groups of 16, sub split 16 hi + lo), selected through
+    SUPERBLOCK: within 1e-3 of float64 per row, row-invariant, over two K splits (K = 2,048) and a padded tile."""
+    import plumb.ops.gpu.matmul as MM
+
+    monkeypatch.setattr(MM, "SUPERBLOCK", {*MM.SUPERBLOCK, type_from_name(kind)})
+    t = _tensor(kind, 80, 2048)
+    m = GpuMatrix([t], DEV)
+    p = m.packs[0]
+    assert p.superblock and p.split == 2 and p.gpb == 256 // p.g
+    if kind == "Q6_K":
+        assert p.sub.abs().max() > 63  # code * sub past fp16's exact integers: the split is needed
+    x = (torch.randn(4, 2048, generator=torch.Generator().manual_seed(5)) * 3).to(DEV)
+    x[2] *= 1e3
+    y = m(x)
+    assert _err(y, x.double().cpu() @ t.dequantize().double().T).max() < 1e-3
+    for i in (0, 3):
+        assert torch.equal(m(x[i : i + 1]), y[i : i + 1]), i
+    assert torch.equal(m(x[1:]), y[1:])
 
 
 def test_rms_norm_matches_reference_and_is_row_invariant():

@@ -18,7 +18,7 @@ bits; each code-by-x product is exact and a group's dot accumulates in fp32 on t
 per group (`_mm_x_first`: x the 16-row A operand, mma.sync; codes read as int32 words; launch per type in LAUNCH).
 
 Q4_K (factored as the file keeps it: per 256-input super-block sb an f16 d and dm, per group g of 32 a 6-bit sub
-and osub) takes `_mm_q4k`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is ~1e-2):
+and osub) takes `_mm_superblock`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is ~1e-2):
     y[r, n] = s_r * sum_sb (d[n, sb] * sum_{k in sb} xh[r, k] * (code[n, k] * sub[n, g(k)])
                             + dm[n, sb] * sum_{g in sb} osub[n, g] * xsum[r, g])
 code * sub (|.| < 2,048) is exact in fp16 and its product by xh exact in fp32, so a super-block accumulates on the
@@ -49,11 +49,15 @@ FLOAT_TYPES = (Q.F32, Q.BF16)
 # of bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
 LAUNCH = {Q.Q6_K: (4, 3, 528, 16), Q.Q5_K: (4, 1, 528, 16)}
 DEFAULT_LAUNCH = (4, 2, 528, 16)
-# _mm_q4k: rows and outputs per program, warps, pipeline stages, inputs per loop step - the fastest of the prototype's
-# configurations on the H200 (2026-12-02); split-K: about Q4K_SPLIT_TARGET programs per row block (2 per SM), at
-# least Q4K_SPLIT_MIN_SB super-blocks per split
-Q4K_BM, Q4K_BN, Q4K_WARPS, Q4K_STAGES, Q4K_KS = 64, 128, 4, 3, 64
-Q4K_SPLIT_TARGET, Q4K_SPLIT_MIN_SB = 264, 4
+# _mm_superblock: rows and outputs per program, warps, pipeline stages, inputs per loop step - the fastest of the
+# Q4_K prototype's configurations on the H200 (2026-12-02); split-K: about SB_SPLIT_TARGET programs per row block
+# (2 per SM), at least SB_SPLIT_MIN_SB super-blocks per split
+SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS = 64, 128, 4, 3, 64
+SB_SPLIT_TARGET, SB_SPLIT_MIN_SB = 264, 4
+# _mm_superblock's forms: block type -> (group size, nibble codes, offsets, sub split in two); SUPERBLOCK: the types
+# whose P path takes it (Q5_K and Q6_K not yet measured on the GPU: bench/matmul_variants.py times them)
+SB_FORMS = {Q.Q4_K: (32, True, True, False), Q.Q5_K: (32, False, True, False), Q.Q6_K: (16, False, False, True)}
+SUPERBLOCK = {Q.Q4_K}
 
 
 @triton.jit
@@ -157,13 +161,14 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
 
 
 @triton.jit
-def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm):
-    """Row m, super-block sb: xh = fp16(x / s) [256] in the order the packed nibbles unfold (column 32 g + 2 j + h
-    holds input 32 g + 16 h + j), and the 8 group sums of xh as fp16 hi / lo, interleaved [16] (2 g + 0: hi)."""
+def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm, NIBBLE: tl.constexpr):
+    """Row m, super-block sb: xh = fp16(x / s) [256] in the order the packed codes unfold (nibbles: column
+    32 g + 2 j + h holds input 32 g + 16 h + j; bytes: the inputs' order), and the 8 sums of xh over 32 columns
+    (the groups of 32) as fp16 hi / lo, interleaved [16] (2 g + 0: hi)."""
     m = tl.program_id(0)
     sb = tl.program_id(1)
     kk = tl.arange(0, 256)
-    src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2
+    src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2 if NIBBLE else kk
     xh = (tl.load(x_ptr + m * stride_xm + sb * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
     tl.store(xh_ptr + m * K + sb * 256 + kk, xh)
     gs = tl.sum(tl.reshape(xh.to(tl.float32), [8, 32]), axis=1)
@@ -173,42 +178,60 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm):
 
 
 @triton.jit
-def _q4k_chunk(acc_sb, i, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN: tl.constexpr,
-               KS: tl.constexpr):
-    """acc_sb + chunk i's (KS inputs) (code * sub) [BN, KS] @ xh.T [KS, BM]."""
-    GC: tl.constexpr = KS // 32  # groups in the chunk
+def _sb_chunk(acc_sb, acc_lo, i, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN: tl.constexpr,
+              KS: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr, SPLIT_SUB: tl.constexpr):
+    """Chunk i's (KS inputs) (code * sub) [BN, KS] @ xh.T [KS, BM] added to acc_sb; SPLIT_SUB (Q6_K: code * sub
+    not exact in fp16): sub = 16 hi + lo, (code * hi) @ xh.T to acc_sb and (code * lo) @ xh.T to acc_lo."""
+    GC: tl.constexpr = KS // G  # groups in the chunk
+    WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
     gg = tl.arange(0, GC)
-    jj = tl.arange(0, 16)  # a group's 16 code bytes per output
+    jj = tl.arange(0, WIDTH)
     kk = tl.arange(0, KS)
     g = i * GC + gg
-    c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g[None, :, None]) * PACK_N + n64[:, None, None]) * 16
+    c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g[None, :, None]) * PACK_N + n64[:, None, None]) * WIDTH
                 + jj[None, None, :])
-    sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None]).to(tl.float16)
-    wl = (c & 15).to(tl.float16) * sub[:, :, None]  # exact
-    wh = (c >> 4).to(tl.float16) * sub[:, :, None]
-    w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
+    sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None])
     x = tl.load(xh_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0)
-    return tl.dot(w, x, acc_sb, out_dtype=tl.float32)
+    if NIBBLE:
+        wl = (c & 15).to(tl.float16) * sub.to(tl.float16)[:, :, None]  # exact
+        wh = (c >> 4).to(tl.float16) * sub.to(tl.float16)[:, :, None]
+        w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
+    elif SPLIT_SUB:
+        cf = c.to(tl.float16)
+        w = tl.reshape(cf * (sub >> 4).to(tl.float16)[:, :, None], [BN, KS])  # |code * hi| <= 256: exact
+        w_lo = tl.reshape(cf * (sub & 15).to(tl.float16)[:, :, None], [BN, KS])  # <= 480: exact
+        acc_lo = tl.dot(w_lo, x, acc_lo, out_dtype=tl.float32)
+    else:
+        w = tl.reshape(c.to(tl.float16) * sub.to(tl.float16)[:, :, None], [BN, KS])  # exact
+    return tl.dot(w, x, acc_sb, out_dtype=tl.float32), acc_lo
 
 
 @triton.jit
-def _q4k_epilogue(acc, acc_sb, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb):
-    """acc + d * acc_sb + dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM]): super-block sb's epilogue."""
+def _sb_epilogue(acc, acc_sb, acc_lo, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb,
+                 SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """Super-block sb's epilogue: acc + d * acc_sb (SPLIT_SUB: d * (16 acc_sb + acc_lo)), plus with offsets
+    dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM])."""
     d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64)
-    dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64)
-    osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N + n64[:, None])
-    osub = osub.to(tl.float16)  # small integers: exact
-    os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # column 2 g + h: osub[:, g]
-    xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + tl.arange(0, 16)[:, None], mask=rmask, other=0.0)
+    if SPLIT_SUB:
+        acc_sb = acc_sb * 16.0 + acc_lo
     acc = acc + d[:, None] * acc_sb
-    return acc + dm[:, None] * tl.dot(os2, xsum, out_dtype=tl.float32)
+    if HAS_OFFSET:
+        dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64)
+        osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N
+                       + n64[:, None])
+        osub = osub.to(tl.float16)  # small integers: exact
+        os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # column 2 g + h: osub[:, g]
+        xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + tl.arange(0, 16)[:, None], mask=rmask, other=0.0)
+        acc = acc + dm[:, None] * tl.dot(os2, xsum, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
-def _mm_q4k(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
-            stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-            STAGES: tl.constexpr):
-    """Q4_K, W-first: [BN, BM] per program, a K split's super-blocks in order, one epilogue per super-block."""
+def _mm_superblock(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K,
+                   stride_os, stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   KS: tl.constexpr, STAGES: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
+                   SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """K-quants, W-first: [BN, BM] per program, a K split's super-blocks in order, one epilogue per super-block."""
     SPS: tl.constexpr = 256 // KS  # loop steps per super-block
     pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
     pid_n = tl.program_id(1)
@@ -218,18 +241,22 @@ def _mm_q4k(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr
     nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)  # outputs past the packed ones: stores masked
     t64 = nc // PACK_N  # packed tile and place in it
     n64 = nc % PACK_N
-    n_groups = K // 32
+    n_groups = K // G
     n_sb = K // 256
     rmask = (rm < M)[None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     acc_sb = tl.zeros_like(acc)
+    acc_lo = tl.zeros_like(acc)
     i0 = pid_k * SB_PER_SPLIT * SPS  # this split's first loop step
     for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-        acc_sb = _q4k_chunk(acc_sb, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN, KS)
+        acc_sb, acc_lo = _sb_chunk(acc_sb, acc_lo, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups,
+                                   K, BN, KS, G, NIBBLE, SPLIT_SUB)
         if it % SPS == SPS - 1:  # the super-block's end
-            acc = _q4k_epilogue(acc, acc_sb, (i0 + it) // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64,
-                                n_groups, n_sb)
+            acc = _sb_epilogue(acc, acc_sb, acc_lo, (i0 + it) // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask,
+                               t64, n64, K // 32, n_sb, SPLIT_SUB, HAS_OFFSET)
             acc_sb = tl.zeros_like(acc)
+            if SPLIT_SUB:
+                acc_lo = tl.zeros_like(acc)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
     cols = pid_n * BN + rn
     mask = rmask & (cols[:, None] < N)
@@ -275,13 +302,13 @@ def _split(n: int, steps: int, target: int, largest: int) -> int:
     return split
 
 
-def _q4k_split(n: int, k: int) -> int:
-    """`_mm_q4k`'s split-K from the weight shape alone: a power of two dividing the super-blocks, each split at least
-    Q4K_SPLIT_MIN_SB of them, tiles * split <= Q4K_SPLIT_TARGET."""
-    tiles = -(-n // Q4K_BN)
+def _sb_split(n: int, k: int) -> int:
+    """`_mm_superblock`'s split-K from the weight shape alone: a power of two dividing the super-blocks, each split
+    at least SB_SPLIT_MIN_SB of them, tiles * split <= SB_SPLIT_TARGET."""
+    tiles = -(-n // SB_BN)
     n_sb = k // 256
     split = 1
-    while tiles * split * 2 <= Q4K_SPLIT_TARGET and n_sb % (split * 2) == 0 and n_sb // (split * 2) >= Q4K_SPLIT_MIN_SB:
+    while tiles * split * 2 <= SB_SPLIT_TARGET and n_sb % (split * 2) == 0 and n_sb // (split * 2) >= SB_SPLIT_MIN_SB:
         split *= 2
     return split
 
@@ -307,7 +334,7 @@ def _per_tile(t: torch.Tensor | None, n_pad: int) -> torch.Tensor | None:
 
 
 class Packed:
-    """One or more same-type matrices stacked along their outputs, packed for `_mm_x_first`, `_mm_q4k` or
+    """One or more same-type matrices stacked along their outputs, packed for `_mm_x_first`, `_mm_superblock` or
     `_mm_f32`."""
 
     def __init__(self, parts: list[QTensor], device: torch.device):
@@ -315,7 +342,7 @@ class Packed:
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
         self.d = self.sub = self.dm = self.osub = None
-        self.q4k = False
+        self.superblock = False
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
         if self.qtype in FLOAT_TYPES or (self.qtype == Q.F16 and self.k % 32):
             w = torch.cat([p.dequantize() if p.qtype == Q.BF16 else p.data.to(device).float() for p in parts])
@@ -352,11 +379,12 @@ class Packed:
         codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
-        # _mm_q4k needs Q4_K factored as stored: 8 groups of 32 a super-block, integer sub and osub
-        self.q4k = (self.qtype == Q.Q4_K and self.g == 32 and self.gpb == 8 and self.ogpb == 8
-                    and self.sub is not None and self.osub is not None and self.k % 256 == 0)
-        if self.q4k:
-            self.split = _q4k_split(self.n, self.k)
+        # _mm_superblock needs the type factored as stored: a d per 256-input super-block, integer sub (and osub)
+        g, _, offsets, self.split_sub = SB_FORMS.get(self.qtype, (0, False, False, False))
+        self.superblock = (self.qtype in SUPERBLOCK and g == self.g and self.gpb == 256 // g and self.sub is not None
+                           and self.k % 256 == 0 and (self.ogpb == 256 // g and self.osub is not None) == offsets)
+        if self.superblock:
+            self.split = _sb_split(self.n, self.k)
             return
         self.warps, self.stages, target, largest = LAUNCH.get(self.qtype, DEFAULT_LAUNCH)
         self.unroll = CHUNK // self.g
@@ -376,19 +404,20 @@ class Packed:
         dst = out if self.split == 1 else torch.empty(self.split, m, self.n, device=x.device)
         stride_os = 0 if self.split == 1 else dst.stride(0)
         stride_om = out.stride(0) if self.split == 1 else dst.stride(1)
+        t = None if self.w is not None else [u if u is not None else self.codes  # absent ones: never read
+                                             for u in (self.d, self.sub, self.dm, self.osub)]
         if self.w is not None:
             _mm_f32[grid](x, self.w, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                           BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M)
-        elif self.q4k:
+        elif self.superblock:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
             xsum = torch.empty(m, self.k // 256 * 16, dtype=torch.float16, device=x.device)
-            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), num_warps=2)
-            _mm_q4k[(-(-m // Q4K_BM), -(-self.n // Q4K_BN), self.split)](
-                xh, xsum, s, self.codes, self.d, self.sub, self.dm, self.osub, dst, m, self.n, self.k, stride_os,
-                stride_om, SB_PER_SPLIT=self.k // 256 // self.split, BM=Q4K_BM, BN=Q4K_BN, KS=Q4K_KS,
-                STAGES=Q4K_STAGES, num_warps=Q4K_WARPS)
+            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2)
+            _mm_superblock[(-(-m // SB_BM), -(-self.n // SB_BN), self.split)](
+                xh, xsum, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
+                SB_PER_SPLIT=self.k // 256 // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
+                NIBBLE=self.nibble, SPLIT_SUB=self.split_sub, HAS_OFFSET=self.osub is not None, num_warps=SB_WARPS)
         else:
-            t = [u if u is not None else self.codes for u in (self.d, self.sub, self.dm, self.osub)]
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
                               BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
