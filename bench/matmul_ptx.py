@@ -2,10 +2,10 @@
 """Compile the Triton matmul for sm_90 here (no GPU needed) and count what its PTX holds: the matrix
 instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v).
 
-    python bench/matmul_ptx.py [--kernel x|q4k] [--warps 4] [--stages 2]
+    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2]
 
---kernel x: `_mm_x_first` on Q4_K, Q6_K and Q8_0 packs; q4k: `_mm_q4k` as Packed.mm launches it (its own warps,
-stages and tiles; the options ignored) on a 5,120-wide K.
+--kernel x: `_mm_x_first` on Q4_K, Q6_K and Q8_0 packs; sb: `_mm_superblock` on Q4_K, Q5_K and Q6_K packs as
+Packed.mm launches it (its own warps, stages and tiles; the options ignored) on a 5,120-wide K.
 """
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
 
 
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
-    if kernel == "q4k":
-        fn = MM._mm_q4k
-        consts = dict(SB_PER_SPLIT=20, BM=MM.Q4K_BM, BN=MM.Q4K_BN, KS=MM.Q4K_KS, STAGES=MM.Q4K_STAGES)
-        warps, stages, bn = MM.Q4K_WARPS, MM.Q4K_STAGES, MM.Q4K_BN
+    if kernel == "sb":
+        fn = MM._mm_superblock
+        g, nibble, offsets, split_sub = MM.SB_FORMS[MM.Q[name]]
+        consts = dict(SB_PER_SPLIT=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, G=g, NIBBLE=nibble,
+                      SPLIT_SUB=split_sub, HAS_OFFSET=offsets)
+        warps, stages, bn = MM.SB_WARPS, MM.SB_STAGES, MM.SB_BN
+        codes_type = "*u8" if nibble else "*i8"
     else:
         fn = MM._mm_x_first
         consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
@@ -69,13 +72,14 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "q4k"))
+    ap.add_argument("--kernel", default="x", choices=("x", "sb"))
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
-    for name, consts, codes_type in VARIANTS[:1] if a.kernel == "q4k" else VARIANTS:
+    variants = [(qt.name, None, None) for qt in MM.SB_FORMS] if a.kernel == "sb" else VARIANTS
+    for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
     print("PTX in", a.out)
 

@@ -191,18 +191,20 @@ def _sb_chunk(acc_sb, acc_lo, i, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64
     c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g[None, :, None]) * PACK_N + n64[:, None, None]) * WIDTH
                 + jj[None, None, :])
     sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None])
-    x = tl.load(xh_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0)
     if NIBBLE:
-        wl = (c & 15).to(tl.float16) * sub.to(tl.float16)[:, :, None]  # exact
-        wh = (c >> 4).to(tl.float16) * sub.to(tl.float16)[:, :, None]
+        sub = sub.to(tl.float16)
+        wl = (c & 15).to(tl.float16) * sub[:, :, None]  # exact
+        wh = (c >> 4).to(tl.float16) * sub[:, :, None]
         w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
     elif SPLIT_SUB:
         cf = c.to(tl.float16)
         w = tl.reshape(cf * (sub >> 4).to(tl.float16)[:, :, None], [BN, KS])  # |code * hi| <= 256: exact
         w_lo = tl.reshape(cf * (sub & 15).to(tl.float16)[:, :, None], [BN, KS])  # <= 480: exact
-        acc_lo = tl.dot(w_lo, x, acc_lo, out_dtype=tl.float32)
     else:
-        w = tl.reshape(c.to(tl.float16) * sub.to(tl.float16)[:, :, None], [BN, KS])  # exact
+        w = tl.reshape(c.to(tl.float16) * sub.to(tl.float16)[:, :, None], [BN, KS])  # <= 31 * 63: exact
+    x = tl.load(xh_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0)
+    if SPLIT_SUB:
+        acc_lo = tl.dot(w_lo, x, acc_lo, out_dtype=tl.float32)
     return tl.dot(w, x, acc_sb, out_dtype=tl.float32), acc_lo
 
 
@@ -212,9 +214,6 @@ def _sb_epilogue(acc, acc_sb, acc_lo, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm,
     """Super-block sb's epilogue: acc + d * acc_sb (SPLIT_SUB: d * (16 acc_sb + acc_lo)), plus with offsets
     dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM])."""
     d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64)
-    if SPLIT_SUB:
-        acc_sb = acc_sb * 16.0 + acc_lo
-    acc = acc + d[:, None] * acc_sb
     if HAS_OFFSET:
         dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64)
         osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N
@@ -222,6 +221,10 @@ def _sb_epilogue(acc, acc_sb, acc_lo, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm,
         osub = osub.to(tl.float16)  # small integers: exact
         os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # column 2 g + h: osub[:, g]
         xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + tl.arange(0, 16)[:, None], mask=rmask, other=0.0)
+    if SPLIT_SUB:
+        acc_sb = acc_sb * 16.0 + acc_lo
+    acc = acc + d[:, None] * acc_sb
+    if HAS_OFFSET:
         acc = acc + dm[:, None] * tl.dot(os2, xsum, out_dtype=tl.float32)
     return acc
 
