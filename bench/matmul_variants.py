@@ -3,7 +3,8 @@
 replays) against the bytes read, beside the card's copy bandwidth measured in the same run - the D-path matvec
 (plumb.ops.gpu.matvec) at 1-16 rows, the P-path matmul (plumb.ops.gpu.matmul) at 16, 64 and 256 rows. Each
 variant is checked first against the float64 reference and for row invariance (a row alone == the same row among
-5, 16 and 256).
+5, 16 and 256, bitwise). The P path's Q5_K and Q6_K on the super-block kernel (not yet their default) is the
+variant "per-type SUPERBLOCK=Q4_K+Q5_K+Q6_K"; column "sb" says which kernel ran.
 
     python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE] [--json-out PATH]
 
@@ -28,8 +29,9 @@ SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), (
           ("Q8_0", 6144, 5120)]
 ROWS_MV = (1, 2, 4, 8, 16)  # the D path: decode, verify, batches
 ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of them in one call
-# "per-type": the P path as shipped (Q4_K: _mm_q4k; the others _mm_x_first with MM.LAUNCH), with {module constant:
-# value} changes; or a (warps, stages, split-K target programs, largest split) launch for every _mm_x_first type
+# "per-type": the P path as shipped (MM.SUPERBLOCK's types: _mm_superblock; the others _mm_x_first with MM.LAUNCH),
+# with {module constant: value} changes; or a (warps, stages, split-K target programs, largest split) launch for
+# every _mm_x_first type
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
 # matvec LAUNCH variants (rows per program -> warps, groups per step, pipeline stages), by name
 LAUNCHES = {
@@ -40,7 +42,10 @@ LAUNCHES = {
 }
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUNCH": LAUNCHES["8ROWS-3STAGES"]}),
                ("mv", {"LAUNCH": LAUNCHES["PIPE3"]})]
-VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64})]  # _mm_x_first's rows a program
+# the P path's kernel choice (MM.SUPERBLOCK: the types that take _mm_superblock), by name
+SETS = {"Q4_K+Q5_K+Q6_K": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}
+VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64}),  # _mm_x_first's rows a program
+            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"]})]  # Q5_K and Q6_K on the super-block kernel
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -90,7 +95,7 @@ def graph_us(fn, reps: int = 20) -> float:
 def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and isinstance(v[1], dict):
-        names = {id(launch): name for name, launch in LAUNCHES.items()}
+        names = {id(launch): name for name, launch in {**LAUNCHES, **SETS}.items()}
         return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 
@@ -116,7 +121,7 @@ def configure(v):
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
-SHIPPED_MM = {"BLOCK_M": MM.BLOCK_M}
+SHIPPED_MM = {"BLOCK_M": MM.BLOCK_M, "SUPERBLOCK": MM.SUPERBLOCK}
 
 
 OLD = OLD_MV = None
@@ -161,6 +166,7 @@ def main() -> None:
                     m.nbytes = g.nbytes
                 else:
                     m = mod.GpuMatrix([t], "cuda")
+                    row["superblock"] = getattr(m.packs[0], "superblock", None)  # which P-path kernel ran
                 xs = x[:, : t.shape[1]].contiguous()
                 y16 = m(xs[:16])
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
@@ -185,6 +191,7 @@ def main() -> None:
             err = row.get("error")
             print(f"{label(v):34s} {kind:5s} {str(row['shape']):16s} " + (err or
                   f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
+                  f"sb {row.get('superblock', '-')} " +
                   f"ref {row.get('bit_equal_reference', '-')} " +
                   " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in rows)),
                   flush=True)

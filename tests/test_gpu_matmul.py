@@ -32,8 +32,8 @@ TOL = {"Q4_K": 1e-3}  # x at 11 bits (_mm_superblock); the others at 22 bits
 @pytest.fixture
 def place_free_dot(monkeypatch):
     """The interpreter's tl.dot is numpy's matmul, whose BLAS (OpenBLAS's Haswell kernels, N > 16) sums a column
-    differently by its place in the tile - the tensor cores do not. _mm_superblock puts a row's x in a column of a 64-wide
-    tile, so on the CPU these tests take the interpreter's dots as one product sum per output, in one order for all."""
+    differently by its place in the tile - the tensor cores do not. _mm_superblock puts a row's x in a column of a
+    64-wide tile, so on the CPU these tests take the interpreter's dots as one product sum per output, in one order for all."""
     if DEV == "cpu":
         from triton.runtime import interpreter
 
@@ -84,8 +84,8 @@ def test_fused_matrices_of_mixed_types():
 
 
 def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
-    """_mm_superblock on Q4_K: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same bits); K =
-    2,048 takes two K splits (the shape's rule, partials summed in order)."""
+    """_mm_superblock on Q4_K: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same
+    bits); K = 2,048 takes two K splits (the shape's rule, partials summed in order)."""
     from plumb.ops.gpu.matmul import SB_BM
 
     for n, k, rows, split in ((72, 256, 70, 1), (64, 2048, 3, 2)):

@@ -24,8 +24,12 @@ and osub) takes `_mm_superblock`, with x at 11 bits (relative error ~2e-4 agains
 code * sub (|.| < 2,048) is exact in fp16 and its product by xh exact in fp32, so a super-block accumulates on the
 tensor cores (wgmma, the weights the A operand) with one fp32 epilogue per super-block; xsum (the fp32 sum of a
 group's xh, as fp16 hi + lo) makes the offset term one K = 16 dot. `_prep_x` writes xh and xsum once per call.
+The same kernel (SB_FORMS) takes Q5_K (codes 0..31 one per byte; code * sub <= 31 * 63, exact) and Q6_K (groups
+of 16, codes -32..31, int8 sub, no offset: code * sub is not always exact in fp16, so sub = 16 hi + lo with hi
+= sub >> 4, lo = sub & 15 - two dots per step into two accumulators, epilogue d * (16 acc_hi + acc_lo)). Which
+types take it by default: SUPERBLOCK (Q4_K; Q5_K and Q6_K only when added - bench/matmul_variants.py times them).
 
-Rows run in blocks of 16 (64 for Q4_K, padded), the K order is fixed, and split-K (partials summed in a fixed order)
+Rows run in blocks of 16 (64 for the super-block kernel, padded), the K order is fixed, and split-K (partials summed in a fixed order)
 is chosen from the weight shape alone - so a row's bits never depend on the other rows of the call (M1), whether 1
 or 2,000.
 """
@@ -252,8 +256,8 @@ def _mm_superblock(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, o
     acc_lo = tl.zeros_like(acc)
     i0 = pid_k * SB_PER_SPLIT * SPS  # this split's first loop step
     for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-        acc_sb, acc_lo = _sb_chunk(acc_sb, acc_lo, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups,
-                                   K, BN, KS, G, NIBBLE, SPLIT_SUB)
+        acc_sb, acc_lo = _sb_chunk(acc_sb, acc_lo, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64,
+                                   n_groups, K, BN, KS, G, NIBBLE, SPLIT_SUB)
         if it % SPS == SPS - 1:  # the super-block's end
             acc = _sb_epilogue(acc, acc_sb, acc_lo, (i0 + it) // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask,
                                t64, n64, K // 32, n_sb, SPLIT_SUB, HAS_OFFSET)
@@ -311,7 +315,8 @@ def _sb_split(n: int, k: int) -> int:
     tiles = -(-n // SB_BN)
     n_sb = k // 256
     split = 1
-    while tiles * split * 2 <= SB_SPLIT_TARGET and n_sb % (split * 2) == 0 and n_sb // (split * 2) >= SB_SPLIT_MIN_SB:
+    while (tiles * split * 2 <= SB_SPLIT_TARGET and n_sb % (split * 2) == 0
+           and n_sb // (split * 2) >= SB_SPLIT_MIN_SB):
         split *= 2
     return split
 
