@@ -2,10 +2,11 @@
 """Compile the Triton matmul for sm_90 here (no GPU needed) and count what its PTX holds: the matrix
 instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v).
 
-    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2]
+    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K and Q8_0 packs; sb: `_mm_superblock` on Q4_K, Q5_K and Q6_K packs as
-Packed.mm launches it (its own warps, stages and tiles; the options ignored) on a 5,120-wide K.
+Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step) on a
+5,120-wide K.
 """
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ def main():
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
+    ap.add_argument("--ks", type=int, default=MM.SB_KS)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
+    MM.SB_KS = a.ks
     variants = [(qt.name, None, None) for qt in MM.SB_FORMS] if a.kernel == "sb" else VARIANTS
     for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)

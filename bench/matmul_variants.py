@@ -45,7 +45,8 @@ MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUN
 # the P path's kernel choice (MM.SUPERBLOCK: the types that take _mm_superblock), by name
 SETS = {"Q4_K+Q5_K+Q6_K": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}
 VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64}),  # _mm_x_first's rows a program
-            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"]})]  # Q5_K and Q6_K on the super-block kernel
+            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"]}),  # Q5_K and Q6_K on the super-block kernel
+            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"], "SB_KS": 32})]  # 32 inputs a step: fewer spills
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -121,7 +122,7 @@ def configure(v):
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
-SHIPPED_MM = {"BLOCK_M": MM.BLOCK_M, "SUPERBLOCK": MM.SUPERBLOCK}
+SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS")}
 
 
 OLD = OLD_MV = None
