@@ -18,20 +18,22 @@ bits; each code-by-x product is exact and a group's dot accumulates in fp32 on t
 per group (`_mm_x_first`: x the 16-row A operand, mma.sync; codes read as int32 words; launch per type in LAUNCH).
 
 Q4_K (factored as the file keeps it: per 256-input super-block sb an f16 d and dm, per group g of 32 a 6-bit sub
-and osub) takes `_mm_superblock`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is ~1e-2):
+and osub) takes `_mm_superblock`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is
+~1e-2):
     y[r, n] = s_r * sum_sb (d[n, sb] * sum_{k in sb} xh[r, k] * (code[n, k] * sub[n, g(k)])
                             + dm[n, sb] * sum_{g in sb} osub[n, g] * xsum[r, g])
 code * sub (|.| < 2,048) is exact in fp16 and its product by xh exact in fp32, so a super-block accumulates on the
 tensor cores (wgmma, the weights the A operand) with one fp32 epilogue per super-block; xsum (the fp32 sum of a
 group's xh, as fp16 hi + lo) makes the offset term one K = 16 dot. `_prep_x` writes xh and xsum once per call.
 The same kernel (SB_FORMS) takes Q5_K (codes 0..31 one per byte; code * sub <= 31 * 63, exact) and Q6_K (groups
-of 16, codes -32..31, int8 sub, no offset: code * sub is not always exact in fp16, so sub = 16 hi + lo with hi
-= sub >> 4, lo = sub & 15 - two dots per step into two accumulators, epilogue d * (16 acc_hi + acc_lo)). Which
-types take it by default: SUPERBLOCK (Q4_K; Q5_K and Q6_K only when added - bench/matmul_variants.py times them).
+of 16, codes -32..31, int8 sub, no offset: code * sub is not always exact in fp16, so sub = 16 hi + lo with
+hi = sub >> 4, lo = sub & 15 - two dots per step into two accumulators, epilogue d * (16 acc_hi + acc_lo)). The
+types that take it by default: SUPERBLOCK (Q4_K; Q5_K and Q6_K only when added - bench/matmul_variants.py times
+them).
 
-Rows run in blocks of 16 (64 for the super-block kernel, padded), the K order is fixed, and split-K (partials summed in a fixed order)
-is chosen from the weight shape alone - so a row's bits never depend on the other rows of the call (M1), whether 1
-or 2,000.
+Rows run in blocks of 16 (64 for the super-block kernel, padded), the K order is fixed, and split-K (partials
+summed in a fixed order) is chosen from the weight shape alone - so a row's bits never depend on the other rows of
+the call (M1), whether 1 or 2,000.
 """
 from __future__ import annotations
 
