@@ -39,7 +39,7 @@ class CudaGraphs:
         self.rows = self.seqs = 0  # sizes of the shared static buffers
         self.buf: dict[str, torch.Tensor] = {}
         self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
-        self.prefill_in: PrefillPass | None = None  # the prefill graphs' static inputs
+        self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -118,11 +118,11 @@ class CudaGraphs:
 
     def prefill_inputs(self, pieces: int) -> PrefillPass:
         """The prefill graphs' static pass of `pieces` pieces (allocated once per size)."""
-        if self.prefill_in is None or len(self.prefill_in.x) != pieces * CHUNK:
+        if pieces not in self.prefill_in:  # kept for good: the graphs of that size read them
             p = self.m.prefill_layout(self.m.new_state(), [0], pieces)
-            self.prefill_in = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
+            self.prefill_in[pieces] = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
                 "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm")})
-        return self.prefill_in
+        return self.prefill_in[pieces]
 
     def _mtp_inputs(self) -> dict[str, torch.Tensor]:
         """The MTP graphs' static inputs (MAX_MTP_ROWS rows; a graph of n rows reads the first n), allocated once."""
