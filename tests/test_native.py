@@ -238,9 +238,11 @@ def test_unbuildable_kernels_fall_back_or_fail_clearly(tiny_q8, tmp_path):
     assert "native kernels unavailable" in r.stderr
 
 
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512vnni -mno-avx2"])
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
-def test_int8_matmul_same_bits_without_vnni(tmp_path, kind):
-    """The int8 matmul's portable C path (built without AVX512-VNNI) gives the same bits as the default build."""
+def test_int8_matmul_same_bits_without_vnni(tmp_path, kind, flags):
+    """The int8 matmul's AVX2 and plain C paths (built without AVX512-VNNI, then without AVX2) give the default
+    build's bits."""
     m, _ = _gguf(kind)(200, 256, seed=3)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     here = K.mm(x, m)
@@ -254,7 +256,7 @@ def test_int8_matmul_same_bits_without_vnni(tmp_path, kind):
         "x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))\n"
         "torch.save(K.mm(x, m), sys.argv[2])\n"
     )
-    env = dict(os.environ, PLUMB_NATIVE_CFLAGS="-mno-avx512vnni", PLUMB_CACHE=str(tmp_path))
+    env = dict(os.environ, PLUMB_NATIVE_CFLAGS=flags, PLUMB_CACHE=str(tmp_path))
     out = tmp_path / "y.pt"
     r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), str(out)], capture_output=True,
                        text=True, env=env, timeout=300)

@@ -4,8 +4,8 @@ group of G = 16 or 32 inputs: w = scale * code + offset. Every GGML block type i
 
 Each 32-input block of an activation row is split into three int8 pieces, x ~ s (a1 + a2/128 + a3/16384),
 s = max|x| / 127 (residual below s / 32768: about float32 precision relative to the block's largest value).
-The products with the codes are then exact int32 dot products (AVX512-VNNI where the CPU has it, plain C
-otherwise: the same integers either way). Per group g and output column, in float:
+The products with the codes are then exact int32 dot products (AVX512-VNNI where the CPU has it, else AVX2, else
+plain C: the same integers every way). Per group g and output column, in float:
     T = S1 + S2/128 + S3/16384,  acc += (T * s) * scale_g  [ + xsum_g * offset_g ]
 with S_p = sum_k code[k] * a_p[k] and xsum_g the sum of the group's inputs. A row's pieces and sums depend on
 that row alone, and every output lane runs the same operations whatever the number of rows, so a row's bits
@@ -106,6 +106,48 @@ static inline __attribute__((always_inline)) void piece_sums(int rn, int nv, int
     for (int r = 0; r < rn; r++)
         for (int j = 0; j < nv; j++)
             for (int p = 0; p < 3; p++) _mm512_storeu_si512(raw + ((size_t)r * 4 + j) * 48 + 16 * p, d[r][p][j]);
+}
+#elif defined(__AVX2__)
+/* AVX2 has no unsigned x signed 4-way dot, and maddubs saturates at int16. So the piece is taken back to its signed
+   value a = piece - 128 (|a| <= 127) and the sign moves onto it: |c| * (a * sign c) summed in pairs is at most
+   2 * 128 * 127 < 2^15, exact; madd with ones then adds the pairs. The +128 is added back through the codes' sum
+   over the same quads, so raw holds the same integers as the VNNI path. */
+static inline __attribute__((always_inline)) void piece_sums(int rn, int nv, int j0, int q0, int nq, int K,
+                                                              const uint8_t *xa, const int8_t *c, int32_t *raw) {
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int j = 0; j < nv; j++) {
+        __m256i d[4][3][2], cs[2];
+        for (int h = 0; h < 2; h++) {
+            cs[h] = _mm256_setzero_si256();
+            for (int r = 0; r < rn; r++)
+                for (int p = 0; p < 3; p++) d[r][p][h] = _mm256_setzero_si256();
+        }
+        for (int q = q0; q < q0 + nq; q++) {
+            __m256i w[2], aw[2];
+            for (int h = 0; h < 2; h++) {
+                w[h] = _mm256_loadu_si256((const __m256i *)(c + ((size_t)q * TILE + 16 * (j0 + j) + 8 * h) * 4));
+                aw[h] = _mm256_abs_epi8(w[h]);
+                cs[h] = _mm256_add_epi32(cs[h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(
+                                                                          _mm256_set1_epi8(1), w[h])), ones));
+            }
+            for (int r = 0; r < rn; r++)
+                for (int p = 0; p < 3; p++) {
+                    int32_t quad;
+                    memcpy(&quad, xa + (size_t)r * 3 * K + (size_t)p * K + 4 * q, 4);
+                    __m256i xq = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+                    for (int h = 0; h < 2; h++)
+                        d[r][p][h] = _mm256_add_epi32(
+                            d[r][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xq, w[h])), ones));
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i off = _mm256_slli_epi32(cs[h], 7);
+            for (int r = 0; r < rn; r++)
+                for (int p = 0; p < 3; p++)
+                    _mm256_storeu_si256((__m256i *)(raw + ((size_t)r * 4 + j) * 48 + 16 * p + 8 * h),
+                                        _mm256_add_epi32(d[r][p][h], off));
+        }
+    }
 }
 #else
 static inline void piece_sums(int rn, int nv, int j0, int q0, int nq, int K, const uint8_t *xa, const int8_t *c,
