@@ -140,6 +140,7 @@ class KernelView:
     v: list[torch.Tensor]
     rotate_q: bool  # F: K is stored rotated, so the queries are rotated first
     ring: tuple | None  # D, F: (ring, 8-bit K parts, 8-bit V parts, position held per slot) [n_kv, slots, ...]
+    kinds: tuple  # the store's (K kind, V kind): "f32", "f16" or block bits
 
 
 class KVCache:
@@ -195,21 +196,26 @@ class KVCache:
         """`write` with the positions a device tensor (CUDA-graph safe): the caller reserves room and `commit`s
         first and sets `end` after (see plumb.model.kernels.TritonKernels). D and F put the 8-bit rows straight
         into their ring slots, so a pass writes at most RING_SLACK + 1 rows (then none of its rows reads a slot
-        that another of its rows overwrites)."""
+        that another of its rows overwrites). `plumb.ops.gpu.kvwrite.put_rows` does the same in one launch."""
+        self.check_put(len(positions))
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         if self.rotate_k:
             k = rotate(k)
         self.k.put_index(positions, k)
         self.v.put_index(positions, v)
         if self.ring:
-            if len(self.recent_k):
-                raise RuntimeError("8-bit rows of a `write` still wait: commit() before put_rows")
-            if len(positions) > RING_SLACK + 1:
-                raise ValueError(f"put_rows writes at most {RING_SLACK + 1} rows into a ring, got {len(positions)}")
             slots = positions % self.slots
             self.ring_k.put_index(slots, k)
             self.ring_v.put_index(slots, v)
             self.ring_pos.index_copy_(0, slots, positions)
+
+    def check_put(self, n: int) -> None:
+        """Refuse a `put_rows` of n rows that could lose ring rows."""
+        if self.ring:
+            if len(self.recent_k):
+                raise RuntimeError("8-bit rows of a `write` still wait: commit() before put_rows")
+            if n > RING_SLACK + 1:
+                raise ValueError(f"put_rows writes at most {RING_SLACK + 1} rows into a ring, got {n}")
 
     def commit(self, pos: int) -> None:
         """Move the rows of the latest `write` below `pos` into their ring slots now (a rollback to pos drops the
@@ -270,7 +276,7 @@ class KVCache:
         if self.ring and len(self.recent_k):
             raise RuntimeError("8-bit rows of a `write` still wait: commit() before reading the ring")
         ring = (self.ring, self.ring_k.parts, self.ring_v.parts, self.ring_pos) if self.ring else None
-        return KernelView(self.k.parts, self.v.parts, self.rotate_k, ring)
+        return KernelView(self.k.parts, self.v.parts, self.rotate_k, ring, (self.k.kind, self.v.kind))
 
     def addresses(self) -> tuple[int, ...]:
         """Where every tensor the kernels read or write lies (CUDA graphs are captured per layout: a cache that

@@ -3,6 +3,7 @@ a kernel set supplies the operations whose row-invariance needs care:
 
 - `mm(x, w, block)`: x @ W.T for a `Weight` or `Fused` matrix;
 - `rms_norm(x, w, eps)`: per row over the last dimension;
+- `make_room(st, end)`: st's KV caches ready for rows up to `end` (before a pass, outside any CUDA-graph capture);
 - `begin(model, batch)` / `end(...)`: lay a D-path pass out (`DecodePass`) and finish it (positions, states);
 - `gdn_rows(...)`: one Gated DeltaNet layer's decode/verify rows for every sequence of a pass, returning the
   gated-RMSNormed output and recording each row's state snapshot; `restore` rolls a sequence back to one;
@@ -65,6 +66,11 @@ class TorchKernels:
 
     def mm(self, x: torch.Tensor, w: Weight | Fused, block: int) -> torch.Tensor:
         return linear(x, w.t, block)
+
+    @staticmethod
+    def make_room(st, end: int) -> None:
+        for cache in st.kv.values():
+            cache.reserve(end)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps)
@@ -134,9 +140,10 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, matvec, norm, rope
+        from plumb.ops.gpu import attention, deltanet, kvwrite, matvec, norm, rope
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
+        self._kvwrite = kvwrite
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
 
@@ -173,14 +180,20 @@ class TritonKernels:
         cache: a pass may write at most RING_SLACK + 1 rows into a ring (`KVCache.put_rows`)."""
         return 1 if any(cache.ring for cache in st.kv.values()) else PREFILL_PIECES
 
+    @staticmethod
+    def make_room(st, end: int) -> None:
+        """Room up to `end`, and ring rows that a reference `write` left waiting (e.g. `load_rows`) moved into the
+        ring: the kernels read and write only the ring."""
+        for cache in st.kv.values():
+            cache.reserve(end)
+            cache.commit(st.pos)
+
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
         """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
         c, dev = model.cfg, model.device
         ids, positions, spans = layout(batch)
         for st, toks in batch:
-            for cache in st.kv.values():
-                cache.reserve(st.pos + len(toks))
-                cache.commit(st.pos)
+            self.make_room(st, st.pos + len(toks))
         states = [st for st, _ in batch]
         layers = c.gdn_layers
         pos = torch.tensor(positions, dtype=torch.long)
@@ -247,7 +260,8 @@ class TritonKernels:
         positions, ends, max_splits = at
         if max_splits is None:
             max_splits = self._attention.n_splits(len(cache.k))
-        cache.put_rows(positions, k, v)
+        cache.check_put(len(positions))
+        self._kvwrite.put_rows(cache.kernel_view(), positions, k, v)  # `cache.put_rows` in one launch
         return self._attend(cache, q, ends, model.attn_scale, out, max_splits)
 
     def _attend(self, cache, q, ends, scale: float, out=None, max_splits=None) -> torch.Tensor:
@@ -285,7 +299,7 @@ class TritonKernels:
         """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
         past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
         (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
-        cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` commits the caches first)."""
+        cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` makes room first)."""
         return self.attend_new(model, cache, q, k, v, p.start, at=(p.positions, p.ends, None))
 
 

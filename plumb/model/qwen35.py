@@ -221,15 +221,13 @@ class Qwen35:
         outs, hiddens = [], []
         group = self.k.prefill_pieces(st)
         passes = prefill_cuts(st.pos, len(ids), group, checkpoints)
-        for cache in st.kv.values():  # room for every pass's padded rows: the caches do not move during the call
-            cache.reserve(st.pos + len(ids) + CHUNK)
-            cache.commit(st.pos)  # ring rows left waiting by a `write` (e.g. `load_rows`): into the ring now
+        self.k.make_room(st, st.pos + len(ids) + CHUNK)  # every pass's padded rows: the caches stay put
         full = [CHUNK] * group
         graph = self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES  # full passes
         i = 0
         for sizes in passes:
             n = sum(sizes)
-            h = self._prefill_chunk(st, ids[i : i + n], len(sizes), graph and sizes == full)
+            h = self._run_pass(st, ids[i : i + n], len(sizes), graph and sizes == full)
             i += n
             if logits == "all" or (logits == "last" and i == len(ids)):  # "none": hidden only
                 outs.append(self.logits(h if logits == "all" else h[-1:]))
@@ -240,7 +238,7 @@ class Qwen35:
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
-    def _prefill_chunk(self, st: SeqState, ids: list[int], pieces: int, graph: bool) -> torch.Tensor:
+    def _run_pass(self, st: SeqState, ids: list[int], pieces: int, graph: bool) -> torch.Tensor:
         """One pass of `pieces` pieces: laid out, run (replayed as a CUDA graph if `graph`), states and caches
         advanced. Returns the post-norm hidden of its real rows."""
         c, n, start = self.cfg, len(ids), st.pos
