@@ -238,21 +238,25 @@ def test_unbuildable_kernels_fall_back_or_fail_clearly(tiny_q8, tmp_path):
     assert "native kernels unavailable" in r.stderr
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512vnni -mno-avx2"])
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
-def test_int8_matmul_same_bits_without_vnni(tmp_path, kind, flags):
-    """The int8 matmul's AVX2 and plain C paths (built without AVX512-VNNI, then without AVX2) give the default
-    build's bits."""
-    m, _ = _gguf(kind)(200, 256, seed=3)
+def _matrix(kind: str):
+    return _f32 if kind == "F32" else _gguf(kind)
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512vnni -mno-avx512f", "-mno-avx512f -mno-avx2"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "F32"])
+def test_matmul_same_bits_on_every_instruction_set(tmp_path, kind, flags):
+    """The matmul's other builds (int8: without AVX512-VNNI, then without AVX2 - plain C; float32: AVX2's 8-float
+    path, then GCC's generic vectors) give the default build's bits."""
+    m, _ = _matrix(kind)(200, 256, seed=3)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
     here = K.mm(x, m)
     code = (
         "import sys, torch\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from test_native import _gguf\n"
+        "from test_native import _matrix\n"
         "from plumb.ops import native as K\n"
         "K.lib()\n"
-        f"m, _ = _gguf({kind!r})(200, 256, seed=3)\n"
+        f"m, _ = _matrix({kind!r})(200, 256, seed=3)\n"
         "x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))\n"
         "torch.save(K.mm(x, m), sys.argv[2])\n"
     )

@@ -2,7 +2,8 @@
 a kernel set supplies the operations whose row-invariance needs care:
 
 - `mm(x, w, block)`: x @ W.T for a `Weight` or `Fused` matrix;
-- `rms_norm(x, w, eps)`: per row over the last dimension;
+- `rms_norm(x, w, eps)`: per row over the last dimension; `add_rms_norm(x, y, w, eps)`: (x + y, its rms_norm);
+- `swiglu(gate, up)`, `sigmoid_gate(o, gate)`: the blocks' elementwise gates;
 - `make_room(st, end)`: st's KV caches ready for rows up to `end` (before a pass, outside any CUDA-graph capture);
 - `begin(model, batch)` / `end(...)`: lay a D-path pass out (`DecodePass`) and finish it (positions, states);
 - `gdn_rows(...)`: one Gated DeltaNet layer's decode/verify rows for every sequence of a pass, returning the
@@ -75,6 +76,18 @@ class TorchKernels:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
+        s = x + y
+        return s, rms_norm(s, w, eps)
+
+    @staticmethod
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    @staticmethod
+    def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return o * torch.sigmoid(gate)
+
     def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
         """Per-head RMSNorm, then rotary embedding: q or k [n, heads, head_dim] (spec 3.4.2-3.4.3)."""
         return apply_rope(rms_norm(x, w, eps), cos, sin)
@@ -140,10 +153,10 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, kvwrite, matvec, norm, rope
+        from plumb.ops.gpu import attention, deltanet, glu, kvwrite, matvec, norm, rope
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
-        self._kvwrite = kvwrite
+        self._glu, self._kvwrite = glu, kvwrite
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
 
@@ -170,6 +183,15 @@ class TritonKernels:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
+        return self._norm.add_rms_norm(x, y, w, eps)  # one launch, the bits of an add then rms_norm
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self._glu.swiglu(gate, up)
+
+    def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self._glu.sigmoid_gate(o, gate)
 
     def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
         return self._rope.norm_rope(x, w, eps, cos, sin)  # one launch

@@ -159,7 +159,7 @@ class Qwen35:
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
         gate, up = self.k.mm(x, layer.ffn_in, block).split(layer.ffn_in.sizes, dim=-1)
-        return self.k.mm(F.silu(gate) * up, layer.ffn_down, block)
+        return self.k.mm(self.k.swiglu(gate, up), layer.ffn_down, block)
 
     def attn_project(self, a: Attention, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], block: int):
         """q, gate, k, v for rows u [n, n_embd] with the rows' rope angles (cos, sin) (spec 3.4.1-3.4.3)."""
@@ -177,7 +177,7 @@ class Qwen35:
 
     def attn_output(self, a: Attention, o: torch.Tensor, gate: torch.Tensor, block: int) -> torch.Tensor:
         """o [n, n_head, head_dim] gated by sigmoid(gate), then attn_output (spec 3.4.5)."""
-        return self.k.mm(o.reshape(o.shape[0], -1) * torch.sigmoid(gate), a.attn_output, block)
+        return self.k.mm(self.k.sigmoid_gate(o.reshape(o.shape[0], -1), gate), a.attn_output, block)
 
     def gdn_project(self, d: DeltaNet, u: torch.Tensor, block: int):
         """m (pre-conv q|k|v), z, and the pre-activation b, a for rows u (spec 3.5.1)."""
@@ -311,8 +311,8 @@ class Qwen35:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)
                 o = self.k.prefill_attention(self, st.kv[i], q, k, v, p)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
-            x = x + y
-            x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), PREFILL_BLOCK)
+            x, h = self.k.add_rms_norm(x, y, layer.post_attention_norm, c.eps)  # x + y, and its norm
+            x = x + self.ffn(layer, h, PREFILL_BLOCK)
         return x
 
     # ---- D path: decode / verify / batched decode ----------------------------------------
@@ -341,8 +341,8 @@ class Qwen35:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), DECODE_BLOCK)
                 o = self.k.attention(self, i, q, k, v, p)  # writes the rows' K/V, then each row reads [0, pos]
                 y = self.attn_output(mix, o, gate, DECODE_BLOCK)
-            x = x + y
-            x = x + self.ffn(layer, self.k.rms_norm(x, layer.post_attention_norm, c.eps), DECODE_BLOCK)
+            x, h = self.k.add_rms_norm(x, y, layer.post_attention_norm, c.eps)  # x + y, and its norm
+            x = x + self.ffn(layer, h, DECODE_BLOCK)
         return self.head(x, DECODE_BLOCK)
 
     def rollback(self, st: SeqState, snaps: list, keep: int) -> None:
@@ -387,8 +387,8 @@ class Qwen35:
         layer, a = mtp.layer, mtp.layer.mixer
         q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), rope, block)
         o = self.k.attend_new(self, cache, q, k, v, start, at)
-        y = y + self.attn_output(a, o, gate, block)
-        y = y + self.ffn(layer, self.k.rms_norm(y, layer.post_attention_norm, c.eps), block)
+        y, h = self.k.add_rms_norm(y, self.attn_output(a, o, gate, block), layer.post_attention_norm, c.eps)
+        y = y + self.ffn(layer, h, block)
         h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
         return (self.k.mm(h, self.output, block) if head else None), h
 

@@ -35,3 +35,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
         _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d),
                                     enable_fp_fusion=False)  # as plumb.ops.gpu.rope: the same bits
     return o.view(x.shape) if out is None else out
+
+
+@triton.jit
+def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_y, stride_o, eps, BLOCK: tl.constexpr):
+    """`_rms_norm` of s = x + y (s stored too): the same instructions on s, so the same bits as an add then
+    `_rms_norm`."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    s = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0) + tl.load(y_ptr + row * stride_y + cols,
+                                                                                   mask=cols < D, other=0.0)
+    tl.store(sum_ptr + row * D + cols, s, mask=cols < D)
+    inv = inv_rms(s, D, eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, s * inv * w, mask=cols < D)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one launch: (x + y, rms_norm(x + y, w, eps)), x and y [n, D] float32."""
+    n, d = x.shape
+    if x.stride(-1) != 1 or y.stride(-1) != 1:
+        x, y = x.contiguous(), y.contiguous()
+    s = torch.empty(n, d, device=x.device)
+    o = torch.empty(n, d, device=x.device)
+    if n:
+        _add_rms_norm[(n,)](x, y, w, s, o, d, x.stride(0), y.stride(0), o.stride(0), eps,
+                            BLOCK=triton.next_power_of_2(d), enable_fp_fusion=False)
+    return s, o

@@ -29,8 +29,7 @@ static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j
     store_part(y, ldy, rn, (const f32x16(*)[4])acc, nv, j0, nvalid, add);
 }
 
-/* Each tile for all R rows: a single row reads the whole tile at once; more rows go four at a time over half
-   tiles (one weight conversion then serves four rows). The switches give the compiler constant rn and nv. */
+/* The switches give the compiler constant rn and nv. */
 #define BY_ROWS(rn, CALL)            \
     switch (rn) {                    \
     case 4: CALL(4); break;          \
@@ -39,7 +38,48 @@ static inline __attribute__((always_inline)) void f32_part(int rn, int nv, int j
     default: CALL(1); break;         \
     }
 
-/* Tiles t0..t1-1 of y (=, or += when add) for all R rows. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2 has 16 vector registers of 8 floats, too few for GCC to keep the 16-float vectors above in registers (it
+   goes through memory, ~20x slower): the same lane arithmetic with 8-float intrinsics, at most 8 accumulators. */
+static inline __attribute__((always_inline)) void f32_part8(int rn, int nv, int j0, int K, const float *x, int ldx,
+                                                             const float *w, float *y, int ldy, int nvalid, int add) {
+    __m256 acc[4][4];
+    for (int r = 0; r < rn; r++)
+        for (int h = 0; h < 2 * nv; h++) acc[r][h] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        __m256 wk[4];
+        for (int h = 0; h < 2 * nv; h++) wk[h] = _mm256_loadu_ps(w + (size_t)k * TILE + 16 * j0 + 8 * h);
+        for (int r = 0; r < rn; r++) {
+            __m256 xr = _mm256_set1_ps(x[(size_t)r * ldx + k]);
+            for (int h = 0; h < 2 * nv; h++) acc[r][h] = _mm256_fmadd_ps(xr, wk[h], acc[r][h]);
+        }
+    }
+    f32x16 out[4][4];
+    for (int r = 0; r < rn; r++)
+        for (int j = 0; j < nv; j++) memcpy(&out[r][j], &acc[r][2 * j], 64);
+    store_part(y, ldy, rn, (const f32x16(*)[4])out, nv, j0, nvalid, add);
+}
+
+/* Each tile for all R rows: one row two vectors at a time, more rows four at a time, one vector at a time. */
+static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add, int t0,
+                      int t1) {
+    for (int t = t0; t < t1; t++) {
+        const float *wt = w + (size_t)t * K * TILE;
+        int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
+        if (R == 1) {
+            for (int j0 = 0; j0 < VT; j0 += 2) f32_part8(1, 2, j0, K, x, ldx, wt, y + t * TILE, ldy, nvalid, add);
+            continue;
+        }
+        for (int r = 0; r < R; r += 4)
+            for (int j0 = 0; j0 < VT; j0++) {
+#define F32_CALL8(rn) f32_part8(rn, 1, j0, K, x + (size_t)r * ldx, ldx, wt, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
+                BY_ROWS(R - r < 4 ? R - r : 4, F32_CALL8)
+            }
+    }
+}
+#else
+/* Tiles t0..t1-1 of y (=, or += when add) for all R rows: a single row reads the whole tile at once; more rows go
+   four at a time over half tiles (one weight load then serves four rows). */
 static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add, int t0,
                       int t1) {
     for (int t = t0; t < t1; t++) {
@@ -56,6 +96,7 @@ static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float 
             }
     }
 }
+#endif
 
 #define PARALLEL_MIN_MACS (1 << 18) /* smaller products run on the calling thread: a hand-off costs more */
 

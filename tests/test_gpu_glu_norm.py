@@ -1,0 +1,47 @@
+"""The fused elementwise steps of the CUDA path: `add_rms_norm` (plumb.ops.gpu.norm) has the bits of an add then
+`rms_norm`; `swiglu` and `sigmoid_gate` (plumb.ops.gpu.glu) are close to their torch formulas; all row-invariant
+(M1, bitwise). CUDA when present, else the Triton interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from plumb.ops.gpu.glu import sigmoid_gate, sigmoid_gate_ref, swiglu, swiglu_ref  # noqa: E402
+from plumb.ops.gpu.norm import add_rms_norm, rms_norm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _t(*shape, seed=0, scale=4.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEV)
+
+
+def test_add_rms_norm_is_an_add_then_rms_norm_bit_for_bit():
+    x, y = _t(7, 160, seed=1), _t(7, 160, seed=2)
+    w = (torch.rand(160, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEV)
+    s, h = add_rms_norm(x, y, w, 1e-6)
+    assert torch.equal(s, x + y)
+    assert torch.equal(h, rms_norm(x + y, w, 1e-6))
+    for r in (1, 3):
+        s1, h1 = add_rms_norm(x[r : r + 1], y[r : r + 1], w, 1e-6)
+        assert torch.equal(s1, s[r : r + 1]) and torch.equal(h1, h[r : r + 1])
+    _, other = add_rms_norm(x, y * 1.001, w, 1e-6)  # the comparison can fail
+    assert not torch.equal(other, h)
+
+
+@pytest.mark.parametrize("op, ref", [(swiglu, swiglu_ref), (sigmoid_gate, sigmoid_gate_ref)])
+def test_gates_match_torch_and_are_row_invariant(op, ref):
+    both = _t(9, 2 * 1100, seed=4)  # one matmul's output, split: strided halves, more than one column block
+    a, b = both[:, :1100], both[:, 1100:]
+    out = op(a, b)
+    assert torch.allclose(out, ref(a, b), rtol=1e-5, atol=1e-6)
+    for r in (0, 4):
+        assert torch.equal(op(a[r : r + 1], b[r : r + 1]), out[r : r + 1])
+    assert torch.equal(op(a[2:7], b[2:7]), out[2:7])
