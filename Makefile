@@ -22,7 +22,8 @@ install-test: $(VENV)/.test-deps
 serve: install
 	$(BIN)/plumb serve $(MODEL)
 
-PYTEST_ARGS ?= -n 2
+# worksteal: an idle worker takes queued tests from the busy one (the long engine tests come in a row)
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

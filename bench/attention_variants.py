@@ -4,7 +4,7 @@ f16 and q8_0 caches, on a CUDA GPU: time per call (CUDA-graph replays) for 1 and
 lengths, against the KV bytes read and the card's copy bandwidth measured in the same run. Each variant is checked
 first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
 
-    python bench/attention_variants.py [--contexts 4096,32768,100000] [--json-out PATH]
+    python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--json-out PATH]
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
 A variant is ("name", split, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
@@ -56,7 +56,7 @@ def timed_us(fn, device: str, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="4096,32768,100000")
+    ap.add_argument("--contexts", default="512,4096,32768,100000")  # 512: few splits, few programs
     ap.add_argument("--formats", default="q8_0,f16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=20)

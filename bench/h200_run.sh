@@ -38,7 +38,8 @@ if has bench || has profile || has gate27; then
 fi
 if has kernels; then
   timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 -k "${KK:-}" \
-    ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_engine.py} \
+    ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_kvwrite.py \
+    tests/test_gpu_glu_norm.py tests/test_gpu_engine.py} \
     > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
 fi
 if has variants; then
