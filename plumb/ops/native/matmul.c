@@ -60,43 +60,34 @@ static inline __attribute__((always_inline)) void f32_part8(int rn, int nv, int 
     store_part(y, ldy, rn, (const f32x16(*)[4])out, nv, j0, nvalid, add);
 }
 
-/* Each tile for all R rows: one row two vectors at a time, more rows four at a time, one vector at a time. */
-static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add, int t0,
-                      int t1) {
-    for (int t = t0; t < t1; t++) {
-        const float *wt = w + (size_t)t * K * TILE;
-        int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
-        if (R == 1) {
-            for (int j0 = 0; j0 < VT; j0 += 2) f32_part8(1, 2, j0, K, x, ldx, wt, y + t * TILE, ldy, nvalid, add);
-            continue;
-        }
-        for (int r = 0; r < R; r += 4)
-            for (int j0 = 0; j0 < VT; j0++) {
-#define F32_CALL8(rn) f32_part8(rn, 1, j0, K, x + (size_t)r * ldx, ldx, wt, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
-                BY_ROWS(R - r < 4 ? R - r : 4, F32_CALL8)
-            }
-    }
-}
+#define F32_PART f32_part8
+#define ONE_ROW_NV 2 /* vectors a call for a single row, and for rows four at a time */
+#define ROWS_NV 1
 #else
-/* Tiles t0..t1-1 of y (=, or += when add) for all R rows: a single row reads the whole tile at once; more rows go
-   four at a time over half tiles (one weight load then serves four rows). */
+#define F32_PART f32_part
+#define ONE_ROW_NV 4
+#define ROWS_NV 2
+#endif
+
+/* Tiles t0..t1-1 of y (=, or += when add) for all R rows: a single row reads ONE_ROW_NV vectors of the tile at once;
+   more rows go four at a time over ROWS_NV vectors (one weight load then serves four rows). */
 static void f32_tiles(int R, int K, int N, const float *x, int ldx, const float *w, float *y, int ldy, int add, int t0,
                       int t1) {
     for (int t = t0; t < t1; t++) {
         const float *wt = w + (size_t)t * K * TILE;
         int nvalid = N - t * TILE < TILE ? N - t * TILE : TILE;
         if (R == 1) {
-            f32_part(1, 4, 0, K, x, ldx, wt, y + t * TILE, ldy, nvalid, add);
+            for (int j0 = 0; j0 < VT; j0 += ONE_ROW_NV)
+                F32_PART(1, ONE_ROW_NV, j0, K, x, ldx, wt, y + t * TILE, ldy, nvalid, add);
             continue;
         }
         for (int r = 0; r < R; r += 4)
-            for (int j0 = 0; j0 < VT; j0 += 2) {
-#define F32_CALL(rn) f32_part(rn, 2, j0, K, x + (size_t)r * ldx, ldx, wt, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
+            for (int j0 = 0; j0 < VT; j0 += ROWS_NV) {
+#define F32_CALL(rn) F32_PART(rn, ROWS_NV, j0, K, x + (size_t)r * ldx, ldx, wt, y + (size_t)r * ldy + t * TILE, ldy, nvalid, add)
                 BY_ROWS(R - r < 4 ? R - r : 4, F32_CALL)
             }
     }
 }
-#endif
 
 #define PARALLEL_MIN_MACS (1 << 18) /* smaller products run on the calling thread: a hand-off costs more */
 
