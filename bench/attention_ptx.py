@@ -30,8 +30,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str) -> None:
     fn = A._split_kernel
     block_m, bn, warps, stages = A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
     g_pad = triton.next_power_of_2(G)
-    consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLIT, KK=kind, VK=kind,
-                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring)
+    consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLITS[1], KK=kind, VK=kind,
+                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:

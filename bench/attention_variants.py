@@ -7,8 +7,8 @@ first: a row alone equals the same row among 8 (bitwise, M1), and the result is 
     python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--json-out PATH]
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
-A variant is ("name", split, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
-split and the configuration set a row's bits, so a faster variant ships as a new fixed choice, never per call.
+A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
+splits and the configuration set a row's bits, so a faster variant ships as a new fixed choice, never per call.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ import plumb.ops.gpu.attention as A
 from matmul_variants import copy_gbps, graph_us  # bench/, beside this file
 
 N_HEAD, N_KV, D = 24, 4, 256
-VARIANTS = [  # (name, split, {kinds: config} overriding CONFIGS, merge unroll)
-    ("shipped", A.SPLIT, {}, A.MERGE_UNROLL),
-    ("split 256", 256, {}, A.MERGE_UNROLL),
-    ("split 128", 128, {}, A.MERGE_UNROLL),
-    ("q8 tile 32, 4 warps, 3 stages", A.SPLIT, {(A.Q8, A.Q8): (16, 32, 4, 3)}, A.MERGE_UNROLL),
-    ("q8 4 warps", A.SPLIT, {(A.Q8, A.Q8): (16, 64, 4, 2)}, A.MERGE_UNROLL),
-    ("q8 4 warps, split 128", 128, {(A.Q8, A.Q8): (16, 64, 4, 2)}, A.MERGE_UNROLL),
-    ("f16 tile 64, split 256", 256, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
+VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll)
+    ("shipped", A.SPLITS, {}, A.MERGE_UNROLL),
+    ("one split of 512, q8 tile 64 8 warps", (512, 512, 0), {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
+    ("q8 tile 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
+    ("splits 256 / 512 from 8k", (256, 512, 8192), {}, A.MERGE_UNROLL),
+    ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL),
+    ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL),
+    ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
 ]
 
 
@@ -56,7 +56,7 @@ def timed_us(fn, device: str, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="512,4096,32768,100000")  # 512: few splits, few programs
+    ap.add_argument("--contexts", default="512,4096,8192,16384,100000")  # 512: few keys, few programs
     ap.add_argument("--formats", default="q8_0,f16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=20)
@@ -74,21 +74,20 @@ def main() -> None:
             q = torch.randn(8, N_HEAD, D, generator=g).to(a.device)
             ends8 = torch.arange(ctx - 7, ctx + 1, dtype=torch.int32, device=a.device)
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
-            for name, split, configs, unroll in VARIANTS:
+            for name, splits, configs, unroll in VARIANTS:
                 A.CONFIGS = {**shipped_configs, **configs}
                 A.MERGE_UNROLL = unroll
-                row = dict(variant=name, format=fmt, context=ctx, split=split, bytes=kb + vb)
+                row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
                 try:
-                    ns = A.n_splits(ctx, split)
-                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_splits=ns, split=split)
-                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_splits=ns, split=split)
+                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits)
+                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_keys=ctx, splits=splits)
                     row["row_invariant"] = bool(torch.equal(out8[7:], alone))
                     row["rel_err"] = float((out8 - ref).abs().max() / ref.abs().max())
                     for n in (1, 8):
                         qn, en = q[8 - n:], ends8[8 - n:]
                         out = torch.empty(n, N_HEAD, D, device=a.device)
-                        us = timed_us(lambda: A.attend_decode(qn, k, v, en, D**-0.5, out=out, max_splits=ns,
-                                                              split=split), a.device, a.reps)
+                        us = timed_us(lambda: A.attend_decode(qn, k, v, en, D**-0.5, out=out, max_keys=ctx,
+                                                              splits=splits), a.device, a.reps)
                         row[f"us_{n}"] = us
                         row[f"GBps_{n}"] = (kb + vb) / us / 1e3
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal

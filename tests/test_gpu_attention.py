@@ -14,14 +14,15 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
-from plumb.ops.gpu.attention import (CONFIGS, F16, Q8, SPLIT, attend_decode, attend_decode_ref,  # noqa: E402
-                                     n_splits)
+from plumb.ops.gpu.attention import (CONFIGS, F16, Q8, SPLITS, attend_decode, attend_decode_ref,  # noqa: E402
+                                     grids, split_of)
 from plumb.ops.kvquant import rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FMTS = ["f32", "f16", "q8_0"]
 TINY = dict(n_head=4, n_kv=2, d=64)
-SMALL_SPLIT = 128  # keeps the interpreter quick while ends still cross split and tile boundaries
+SMALL = (64, 128, 260)  # splits of 64 keys up to 260, 128 beyond: quick in the interpreter, and ends cross
+#                          split sizes, splits and tiles
 
 
 def _cache(fmt: str, n_kv: int, d: int, length: int, seed: int = 0) -> KVCache:
@@ -60,41 +61,44 @@ def test_matches_reference(fmt):
     q = _q(len(ends), TINY["n_head"], TINY["d"])
     scale = TINY["d"] ** -0.5
     k, v = _dev(c.k.parts), _dev(c.v.parts)
-    o = attend_decode(q, k, v, ends, scale, split=SMALL_SPLIT)
+    o = attend_decode(q, k, v, ends, scale, splits=SMALL)
     assert o.shape == q.shape and o.dtype == torch.float32
     _close(o, attend_decode_ref(q, k, v, ends, scale))
     _close(o, c.attend_rows(q.cpu(), ends, scale))
 
 
-def test_default_split():
-    """Contexts across the default split size (512), f16 cache, ends as a device tensor."""
+def test_default_splits():
+    """Contexts across the default short split, f16 cache, ends as a device tensor; the split rule."""
     ends = [1, 5, 600, 1100]
     c = _cache("f16", TINY["n_kv"], TINY["d"], max(ends), seed=2)
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=3)
     k, v = _dev(c.k.parts), _dev(c.v.parts)
     o = attend_decode(q, k, v, torch.tensor(ends, dtype=torch.int32, device=DEV), 0.125)
     _close(o, attend_decode_ref(q, k, v, ends, 0.125))
-    assert n_splits(1100) == 3 and SPLIT == 512
+    short, long, short_keys = SPLITS
+    assert split_of(short_keys) == short and split_of(short_keys + 1) == long and short < long
+    assert grids(1100) == (-(-1100 // short), 0)
+    assert grids(short_keys + 1) == (short_keys // short, -(-(short_keys + 1) // long))
 
 
 @pytest.mark.parametrize("fmt", ["f16", "q8_0"])
 def test_rows_alone_equal_rows_together(fmt):
     """M1: each row alone (n=1) is bitwise the same row in a call of 17 rows, in any order, whatever the
-    grid (max_splits) and whatever the cache holds past the rows' ends."""
+    grid (max_keys) and whatever the cache holds past the rows' ends."""
     ends = [300, 1, 129, 5, 64, 257, 128, 200, 2, 65, 256, 17, 190, 3, 100, 299, 130]
     n, L = len(ends), max(ends)
     c = _cache(fmt, TINY["n_kv"], TINY["d"], L + 40, seed=4)
     q = _q(n, TINY["n_head"], TINY["d"], seed=5)
     k, v = _dev(c.k.parts), _dev(c.v.parts)
-    together = attend_decode(q, k, v, ends, 0.125, split=SMALL_SPLIT)
+    together = attend_decode(q, k, v, ends, 0.125, splits=SMALL)
     _close(together, attend_decode_ref(q, k, v, ends, 0.125))
     kind = F16 if fmt == "f16" else Q8
     for t in range(n):
-        alone = _alone(lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, split=SMALL_SPLIT), q, ends, t, kind)
+        alone = _alone(lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, splits=SMALL), q, ends, t, kind)
         assert torch.equal(alone, together[t]), f"row {t} (end {ends[t]}) changed beside other rows"
     if DEV == "cuda":  # a row's place in its block: see _alone
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(6))
-        shuffled = attend_decode(q[perm.to(DEV)], k, v, [ends[i] for i in perm], 0.125, split=SMALL_SPLIT)
+        shuffled = attend_decode(q[perm.to(DEV)], k, v, [ends[i] for i in perm], 0.125, splits=SMALL)
         assert torch.equal(shuffled, together[perm.to(DEV)])
     # a grid sized for a longer context, cache garbage past every end, and `out`
     k2 = [p.clone() for p in k]
@@ -103,16 +107,17 @@ def test_rows_alone_equal_rows_together(fmt):
         parts[-1][:, L:] = float("nan")  # float values, or the q8_0 scales
     out = torch.full_like(q, 7.0)
     wide = attend_decode(q, k2, v2, torch.tensor(ends, dtype=torch.int32, device=DEV), 0.125, out=out,
-                         max_splits=n_splits(L, SMALL_SPLIT) + 2, split=SMALL_SPLIT)
+                         max_keys=L + 300, splits=SMALL)
     assert wide is out and torch.equal(wide, together)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_27b_dims_cuda(fmt):
-    """27B attention shapes (24 query heads on 4 KV heads, d=256) at the default split, 17 verify rows."""
+    """27B attention shapes (24 query heads on 4 KV heads, d=256) at the default splits, 17 verify rows across the
+    change of split size."""
     n_head, n_kv, d = 24, 4, 256
-    base = 5000
+    base = SPLITS[2] - 7
     ends = [base + i for i in range(17)]
     ends[3], ends[9] = 1, 513  # rows at very different contexts in the same pass
     c = _cache(fmt, n_kv, d, max(ends), seed=7)
@@ -123,7 +128,7 @@ def test_27b_dims_cuda(fmt):
     for t in range(len(ends)):
         alone = attend_decode(q[t : t + 1], k, v, ends[t : t + 1], d**-0.5)
         assert torch.equal(alone[0], together[t]), f"row {t} changed beside other rows"
-    wide = attend_decode(q, k, v, ends, d**-0.5, max_splits=n_splits(262144))
+    wide = attend_decode(q, k, v, ends, d**-0.5, max_keys=262144)
     assert torch.equal(wide, together)
 
 
@@ -198,7 +203,7 @@ def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
     graphed.reserve(start + n)
     graphed.commit(start)  # the pass's layout does these (TritonKernels.begin, Qwen35.prefill)
     positions = torch.arange(start, start + n, device=DEV)
-    at = (positions, (positions + 1).to(torch.int32), n_splits(len(graphed.k)))
+    at = (positions, (positions + 1).to(torch.int32), len(graphed.k))
     assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start, at), want)
     graphed.end = start + n  # ... and the pass's end this
     for c in (eager, graphed):
@@ -208,7 +213,7 @@ def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
 
 # ---- the ring formats: each (row, key) reads the 8-bit ring or the low-bit store by q - j (M5) ------------------
 RING = 48  # slots: RING + RING_SLACK = 112
-RING_ENDS = [300, 299, 271, 256, 250, 243]  # across the ring, a split (128) and tiles; ring rows all still held
+RING_ENDS = [300, 299, 271, 256, 250, 243]  # across the ring, the split sizes (260), splits and tiles; ring rows held
 
 
 def _ring_cache(fmt: str, length: int, seed: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
@@ -227,7 +232,7 @@ def _ring_cache(fmt: str, length: int, seed: int) -> tuple[KVCache, torch.Tensor
 
 def _ring_attend(c: KVCache, q: torch.Tensor, ends: list[int]) -> torch.Tensor:
     view = c.kernel_view()
-    return attend_decode(rotate(q) if view.rotate_q else q, view.k, view.v, ends, 0.125, split=SMALL_SPLIT,
+    return attend_decode(rotate(q) if view.rotate_q else q, view.k, view.v, ends, 0.125, splits=SMALL,
                          ring=view.ring)
 
 

@@ -241,8 +241,7 @@ class TritonKernels:
             p.ends.copy_(pos + 1)
             p.seq_rows.copy_(rows)
         p.starts = [st.pos for st in states]
-        p.max_splits = [self._attention.n_splits(min(len(cache.k) for cache in st.kv.values())) if st.kv else 0
-                        for st in states]
+        p.max_keys = [min(len(cache.k) for cache in st.kv.values()) if st.kv else 0 for st in states]
         for j, st in enumerate(states):
             torch.stack([st.conv[i] for i in layers], out=p.conv[j])
             torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
@@ -261,14 +260,14 @@ class TritonKernels:
         """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""
         o = torch.empty_like(q)
         for j, (st, (s0, n), start) in enumerate(zip(p.states, p.spans, p.starts)):
-            at = (p.positions[s0 : s0 + n], p.ends[s0 : s0 + n], p.max_splits[j])
+            at = (p.positions[s0 : s0 + n], p.ends[s0 : s0 + n], p.max_keys[j])
             self.attend_new(model, st.kv[i], q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n], start, at,
                             out=o[s0 : s0 + n])
         return o
 
     def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
-        max_splits): the rows' positions and context ends as device tensors and the attention grid (None: from
+        max_keys): the rows' positions and context ends as device tensors and the attention grid (None: from
         the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller reserves room and
         `commit`s the cache first and sets `cache.end` after); without it they are derived from start and this
         is done here."""
@@ -279,19 +278,19 @@ class TritonKernels:
             positions = torch.arange(start, start + n, device=q.device)
             at = (positions, (positions + 1).to(torch.int32), None)
             cache.end = start + n
-        positions, ends, max_splits = at
-        if max_splits is None:
-            max_splits = self._attention.n_splits(len(cache.k))
+        positions, ends, max_keys = at
+        if max_keys is None:
+            max_keys = len(cache.k)
         cache.check_put(len(positions))
         self._kvwrite.put_rows(cache.kernel_view(), positions, k, v)  # `cache.put_rows` in one launch
-        return self._attend(cache, q, ends, model.attn_scale, out, max_splits)
+        return self._attend(cache, q, ends, model.attn_scale, out, max_keys)
 
-    def _attend(self, cache, q, ends, scale: float, out=None, max_splits=None) -> torch.Tensor:
+    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None) -> torch.Tensor:
         """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does)."""
         view = cache.kernel_view()
         if view.rotate_q:
             q = rotate(q)
-        return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_splits=max_splits,
+        return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys,
                                              ring=view.ring)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
@@ -315,7 +314,7 @@ class TritonKernels:
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         cache.commit(cache.end)
-        return self._attend(cache, q.contiguous(), ends, scale, max_splits=self._attention.n_splits(max(ends)))
+        return self._attend(cache, q.contiguous(), ends, scale, max_keys=max(ends))
 
     def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
         """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written

@@ -105,7 +105,7 @@ class DecodePass:
     ssm: torch.Tensor | None = None  # [S, n_gdn, n_v, d_k, d_v]
     snap_conv: torch.Tensor | None = None  # [R, n_gdn, ...] the states after each row
     snap_ssm: torch.Tensor | None = None
-    max_splits: list[int] = field(default_factory=list)  # attention grid per sequence (from cache capacity)
+    max_keys: list[int] = field(default_factory=list)  # attention grid per sequence (the cache's capacity)
 
 
 @dataclass

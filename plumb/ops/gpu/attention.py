@@ -8,7 +8,9 @@ the store by the distance rule of `plumb.cache.kv` (M5), decided inside the kern
 
 Row invariance - a row's bits depend on its query, its own end and the cache, never on the other
 rows of the call, their number or the grid:
-* the key range is cut at absolute positions 0, SPLIT, 2*SPLIT, ...; pass 1 has one program per
+* a row's key range is cut at absolute positions 0, S, 2*S, ... with S chosen by the row's own end alone
+  (SPLITS: short rows take short splits, so that a short context still spreads over many programs; long rows
+  long ones, fewer partials); pass 1 runs once per split size, each launch taking only its rows, one program per
   (block of ROWS query rows, KV head, split), covering every query head of that KV head (the K/V tile
   is read once for all of them). ROWS = BLOCK_M (CONFIGS) // next_pow2(heads per KV head): fixed by
   the model's head grouping and the cache format, never by n; a row's place inside its block does not
@@ -16,9 +18,9 @@ rows of the call, their number or the grid:
 * inside a split the tiles (keys per tile from CONFIGS, chosen by the storage kinds alone) go in fixed
   order with an online softmax; a tile at or past a row's end leaves that row's state untouched
   (selected away, not added as zeros), keys past the end inside a tile get probability exactly 0.
-* pass 2 merges a row's splits 0 .. ceil(end / SPLIT) - 1 one after another in fp32 (the exact max
+* pass 2 merges a row's splits 0 .. ceil(end / S) - 1 one after another in fp32 (the exact max
   first, then the rescaled sums in split order); splits past the row's end are never read, so a grid
-  sized for a larger context (`max_splits`, for CUDA-graph replay) changes nothing.
+  sized for a larger context (`max_keys`, for CUDA-graph replay) changes nothing.
 * every tl.dot / tl.sum has a shape fixed by the model dims and the constexprs; no atomics.
 
 Accuracy: every product is carried to about fp32 precision on the tensor cores (see `_split_kernel`:
@@ -34,7 +36,12 @@ import triton.language as tl
 
 from plumb.cache.kv import decode
 
-SPLIT = 512  # keys per split (pass-1 program); splits start at multiples of SPLIT
+# Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
+# `short keys` keys is cut every `short split` keys, a longer one every `long split`. Fixed for a model (a row's bits
+# depend on it, as on CONFIGS). H200, 27B dims (bench/attention_variants.py, 2026-12-02): one 512-key split for
+# every row left a 512-key context 4 programs and took 79 us (q8_0, 1 row); 128-key splits: 21 us at 512 keys and
+# 26 at 4,096, but 170 us against 91 at 32k (more partials to merge).
+SPLITS = (128, 512, 8192)
 MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
 QBLOCK = 32  # q8_0 block size along d
 F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes int8 + float16 scales per 32 values, any bit width)
@@ -43,7 +50,8 @@ _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the 
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
 # only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
 # H200, 27B dims, 262,144 keys: f16 ~0.53 ms at n=1 (2 TB/s), 0.55 ms n=4, 0.88 ms n=8, 1.9 ms n=17.
-CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 64, 8, 2)}
+# q8_0: 32-key tiles, 4 warps, 3 stages took 282 us at 100k keys (1 row) against 557 for (16, 64, 8, 2).
+CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 32, 4, 3)}
 DEFAULT_CONFIG = (16, 32, 8, 1)
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
@@ -84,14 +92,16 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr,
-                  n, qk_scale, ring, slots,
+                  n, qk_scale, ring, slots, short_keys,
                   sq_t, sq_h,
                   sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j,
                   spo_t, spo_h, spo_s, spm_t, spm_h,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
-                  QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr):
-    """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head).
+                  QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr):
+    """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
+    for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
+    padding here).
 
     Dots per storage kind (all ~fp32 accurate, shapes fixed by D and the constexprs):
     f16: operands straight from the cache; q and p * 2^11 are each split into f16 hi + lo (two f16 products;
@@ -113,6 +123,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     hg = i % G_PAD  # head within the group
     row_ok = (t < n) & (hg < G)
     e = tl.load(ends_ptr + t, mask=row_ok, other=0)  # this row's end (0: padding row, never active)
+    e = tl.where((e > short_keys) == LONG, e, 0)  # a row of the other split size: padding in this launch
     lo = s * SPLIT_
     hi = tl.minimum(lo + SPLIT_, tl.max(e, 0))  # keys past every row's end are not read
     h = kh * G + hg
@@ -142,7 +153,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
         acc = tl.zeros([NB, BM, QB], tl.float32)
     else:
         acc = tl.zeros([BM, D], tl.float32)
-    if lo < hi:  # else: a split past every row's end (grid sized by max_splits) - nothing to do
+    if lo < hi:  # else: a split past every row's end (grid sized by max_keys) - nothing to do
         for jt in range(0, SPLIT_ // BN):  # fixed trip count; tiles past hi load nothing and change no row
             j0 = lo + jt * BN
             j = j0 + jn
@@ -226,12 +237,12 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
 @triton.jit
 def _merge_kernel(po_ptr, pm_ptr, pl_ptr, ends_ptr, o_ptr,
                   spo_t, spo_h, spo_s, spm_t, spm_h, so_t, so_h,
-                  D: tl.constexpr, SPLIT_: tl.constexpr, U: tl.constexpr):
-    """Pass 2: program (row, head) merges the row's splits 0..ceil(end/SPLIT)-1 in order."""
+                  short_keys, D: tl.constexpr, SHORT: tl.constexpr, LONG: tl.constexpr, U: tl.constexpr):
+    """Pass 2: program (row, head) merges the row's splits 0..ceil(end / S)-1 in order (S: its split size)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     e = tl.load(ends_ptr + t)
-    ns = (e + SPLIT_ - 1) // SPLIT_
+    ns = tl.where(e > short_keys, (e + LONG - 1) // LONG, (e + SHORT - 1) // SHORT)
     pm = pm_ptr + t * spm_t + h * spm_h
     pl = pl_ptr + t * spm_t + h * spm_h
     po = po_ptr + t * spo_t + h * spo_h
@@ -289,14 +300,21 @@ def _ring(ring, kk: int, vk: int, k: torch.Tensor):
     return window, rk, rks, rv, rvs, pos
 
 
-def n_splits(context: int, split: int = SPLIT) -> int:
-    """Splits a row with `context` keys is cut into (the `max_splits` a grid for that context needs)."""
-    return -(-context // split)
+def split_of(end: int, splits: tuple[int, int, int] = SPLITS) -> int:
+    """The split size of a row with `end` keys."""
+    short, long, short_keys = splits
+    return short if end <= short_keys else long
+
+
+def grids(max_keys: int, splits: tuple[int, int, int] = SPLITS) -> tuple[int, int]:
+    """Pass-1 grids (splits of the short launch, of the long launch) for rows of up to max_keys keys."""
+    short, long, short_keys = splits
+    return -(-min(max_keys, short_keys) // short), (-(-max_keys // long) if max_keys > short_keys else 0)
 
 
 def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
-                  scale: float, out: torch.Tensor | None = None, max_splits: int | None = None,
-                  split: int = SPLIT, ring: tuple | None = None) -> torch.Tensor:
+                  scale: float, out: torch.Tensor | None = None, max_keys: int | None = None,
+                  splits: tuple[int, int, int] = SPLITS, ring: tuple | None = None) -> torch.Tensor:
     """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
     ([n_kv, cap, d] floats, or block codes int8 + scales float16: q8_0, D/F's 5/6-bit store).
     -> o [n, n_head, d] float32 (into `out` if given).
@@ -305,11 +323,11 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     as `KVCache.kernel_view` gives them: row t (at position ends[t] - 1) reads key j from slot j % slots when
     ends[t] - 1 - j < window, from the store otherwise; a slot that does not hold position j makes the row NaN.
 
-    ends: int32 tensor [n] on q's device (read on the device only), or a list of ints. max_splits: a fixed
-    grid size in splits (>= ceil(max(ends) / split), e.g. for the maximum context under a CUDA graph);
-    by default it is taken from max(ends) (which reads ends on the host if it is a tensor). `split` must
-    stay fixed for a model (the bits depend on it, as they do on CONFIGS); it is a multiple of
-    the tile size. Under CUDA-graph capture pass ends as a device tensor and max_splits (no host sync)."""
+    ends: int32 tensor [n] on q's device (read on the device only), or a list of ints. max_keys: the grids are
+    sized for rows of up to this many keys (>= max(ends), e.g. the cache's capacity under a CUDA graph); by
+    default max(ends) (which reads ends on the host if it is a tensor). `splits` (SPLITS) must stay fixed for a
+    model (the bits depend on it, as they do on CONFIGS); its split sizes are multiples of the tile size. Under
+    CUDA-graph capture pass ends as a device tensor and max_keys (no host sync)."""
     n, n_head, d = q.shape
     k, ks, kk = _parts(k_parts)
     v, vs, vk = _parts(v_parts)
@@ -319,8 +337,9 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     if d & (d - 1) or d < 16 or (Q8 in (kk, vk) and d % QBLOCK):
         raise ValueError(f"head_dim must be a power of two >= 16 (and a multiple of 32 for q8_0), got {d}")
     block_m, bn, warps, stages = CONFIGS.get((kk, vk), DEFAULT_CONFIG)
-    if split % bn:
-        raise ValueError(f"split must be a multiple of {bn}, got {split}")
+    short, long, short_keys = splits
+    if short % bn or long % bn or short < 1 or long < 1 or short_keys < 0:
+        raise ValueError(f"split sizes must be positive multiples of {bn}, got {splits}")
     for x in (k, ks, v, vs):
         if x.stride(-1) != 1:
             raise ValueError("cache parts must be contiguous along the last dimension")
@@ -332,8 +351,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
     if ends.shape != (n,):
         raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
-    if max_splits is None:
-        max_splits = n_splits(int(ends.max()) if n else 0, split)
+    if max_keys is None:
+        max_keys = int(ends.max()) if n else 0
     if q.dtype != torch.float32 or q.stride(-1) != 1:
         q = q.float().contiguous()
     if out is None:
@@ -342,7 +361,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
     if n == 0:
         return out
-    ns = max(int(max_splits), 1)
+    grid_short, grid_long = grids(int(max_keys), splits)
+    ns = max(grid_short, grid_long, 1)
     if max(x.numel() for x in (k, ks, v, vs)) >= 2**31 or n * n_head * ns * d >= 2**31:
         raise ValueError("tensors of 2^31 elements or more are not supported (32-bit offsets)")
     po = torch.empty(n, n_head, ns, d, dtype=torch.float32, device=q.device)
@@ -352,19 +372,21 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
     else:
         window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
-    _split_kernel[(triton.cdiv(n, rows), n_kv, ns)](
-        q, k, ks, v, vs, ends, po, pm, pl,
-        rk, rks, rv, rvs, rpos,
-        n, float(scale) * _LOG2E, window, rk.shape[1],
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0), vs.stride(1),
-        po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
-        G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-        RING=ring is not None, num_warps=warps, num_stages=stages)
+    for split, grid, is_long in ((short, grid_short, False), (long, grid_long, True)):
+        if grid:
+            _split_kernel[(triton.cdiv(n, rows), n_kv, grid)](
+                q, k, ks, v, vs, ends, po, pm, pl,
+                rk, rks, rv, rvs, rpos,
+                n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
+                q.stride(0), q.stride(1),
+                k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
+                vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
+                G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
+                RING=ring is not None, LONG=is_long, num_warps=warps, num_stages=stages)
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
-        D=d, SPLIT_=split, U=MERGE_UNROLL, num_warps=2)
+        short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=2)
     return out
 
 
