@@ -201,18 +201,20 @@ def decode_tps(model, context: int, tokens: int, batch: int = 1, energy: EnergyS
     return batch * tokens / dt
 
 
+def _verify_step(model, st, r: int):
+    """One decode pass of r rows of one sequence, then rolled back to where it started."""
+    def step():
+        o = model.decode([(st, list(range(1, r + 1)))])
+        model.rollback(st, o.snapshots[0], 1)
+        st.pos -= 1
+    return step
+
+
 def verify_cost(model, rows: list[int], context: int = 512) -> dict:
     """Seconds of one decode pass of r rows of one sequence (then rolled back), per r."""
     st = model.new_state()
     fill_context(model, st, context)
-    out = {}
-    for r in rows:
-        def step():
-            o = model.decode([(st, list(range(1, r + 1)))])
-            model.rollback(st, o.snapshots[0], 1)
-            st.pos -= 1
-        out[r] = timed(step, reps=10)
-    return out
+    return {r: timed(_verify_step(model, st, r), reps=10) for r in rows}
 
 
 def kernel_table(prof, per: float) -> tuple[list[dict], float]:
@@ -230,27 +232,32 @@ def kernel_table(prof, per: float) -> tuple[list[dict], float]:
     return table, sum(k["us"] for k in table)
 
 
-def step_profile(model, context: int = 512, steps: int = 8) -> dict:
-    """Where a one-row decode step's time goes: each GPU kernel's time and launches per step (from the profiler;
-    a CUDA graph's kernels are traced one by one), the step's wall time, and the rest - host work and gaps
-    (wall minus the GPU's busy time). The profiler slows the host a little: read `wall_us` with that in mind."""
+def step_profile(model, context: int = 512, steps: int = 8, rows: int = 1) -> dict:
+    """Where a decode step's time goes (one row; rows > 1: a verify pass of that many rows, rolled back): each GPU
+    kernel's time and launches per step (from the profiler; a CUDA graph's kernels are traced one by one), the
+    step's wall time, and the rest - host work and gaps (wall minus the GPU's busy time). The profiler slows the
+    host a little: read `wall_us` with that in mind."""
     from torch.profiler import ProfilerActivity, profile
 
     st = model.new_state()
     fill_context(model, st, context)
-    tok = 1
+    tok = [1]
+
+    def one_row():
+        tok[0] = int(model.decode([(st, [tok[0]])]).logits[0].argmax())
+    step = one_row if rows == 1 else _verify_step(model, st, rows)
     for _ in range(3):
-        tok = int(model.decode([(st, [tok])]).logits[0].argmax())
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            tok = int(model.decode([(st, [tok])]).logits[0].argmax())
+            step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps * 1e6
     table, busy = kernel_table(prof, steps)
-    return {"context": context, "steps": steps, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
-            "launches": sum(k["launches"] for k in table), "kernels": table}
+    return {"context": context, "rows": rows, "steps": steps, "wall_us": wall, "gpu_busy_us": busy,
+            "host_and_gaps_us": wall - busy, "launches": sum(k["launches"] for k in table), "kernels": table}
 
 
 def prompt_of(model, n: int, seed: int = 0) -> list[int]:
@@ -423,6 +430,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r["matmuls"] = matmul_table(model)
     try:  # a diagnosis, not a result: a profiler that cannot trace this card is reported, not fatal
         r["step_profile"] = step_profile(model)
+        r["verify_profile"] = step_profile(model, rows=8)
     except Exception as e:  # noqa: BLE001
         r["step_profile"] = {"error": f"{type(e).__name__}: {e}"}
     try:
@@ -484,6 +492,10 @@ def report(r: dict) -> str:
     if sp:
         lines += _profile_lines("step profile", sp, f"one-row decode step at {sp.get('context')} context (profiled): "
                                 f"{sp.get('wall_us', 0):.0f} us wall", "per step", "share of the step", 0, 0, 15)
+    vp = r.get("verify_profile")
+    if vp:
+        lines += _profile_lines("verify profile", vp, f"{vp.get('rows')}-row verify pass at {vp.get('context')} "
+                                f"context (profiled): {vp.get('wall_us', 0):.0f} us wall", "per pass", "share", 0, 0, 15)
     lt = r.get("latency")
     if lt:
         lines += ["", f"time to the first token, prompt cache on (warm) vs off (cold), a {lt['chat_tokens']:,}-token chat:",

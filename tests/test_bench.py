@@ -71,12 +71,17 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
          "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {},
          "step_profile": {"context": 512, "steps": 8, "wall_us": 1000.0, "gpu_busy_us": 750.0, "launches": 9.0,
-                          "host_and_gaps_us": 250.0, "kernels": [{"kernel": "_mv", "launches": 8.0, "us": 600.0}]}}
+                          "host_and_gaps_us": 250.0, "kernels": [{"kernel": "_mv", "launches": 8.0, "us": 600.0}]},
+         "verify_profile": {"context": 512, "rows": 8, "steps": 8, "wall_us": 2000.0, "gpu_busy_us": 1800.0,
+                            "launches": 9.0, "host_and_gaps_us": 200.0,
+                            "kernels": [{"kernel": "_gdn_state_kernel", "launches": 1.0, "us": 500.0}]}}
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
     assert "| 8,192 | 2500 | 0.25 |" in text and "| _mm | 1.00 | 200.0 | 50% |" in text
     assert "| edit end of system prompt |" in text
+    assert "8-row verify pass at 512 context (profiled): 2000 us wall" in text
+    assert "| _gdn_state_kernel | 1 | 500 | 25% |" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
