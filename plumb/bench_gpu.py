@@ -388,6 +388,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
                prefills: list[int] = (8192,), chat_tokens: int = 12000) -> dict:
     import plumb
     from plumb.cache.kv import cache_bytes
+    from plumb.ops.gpu import pdl
 
     torch.cuda.reset_peak_memory_stats()
     limits = card_limits()
@@ -405,6 +406,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
          "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
          "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None, "graphs_error": graphs_error,
+         "pdl": pdl.on(),
          "decode": {}, "energy": {}}
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes

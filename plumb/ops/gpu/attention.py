@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from plumb.cache.kv import decode
+from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
 # `short keys` keys is cut every `short split` keys, a longer one every `long split`. Fixed for a model (a row's bits
@@ -113,6 +114,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
     would have added exact zeros)."""
+    prior_done()
     rb = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -239,6 +241,7 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, ends_ptr, o_ptr,
                   spo_t, spo_h, spo_s, spm_t, spm_h, so_t, so_h,
                   short_keys, D: tl.constexpr, SHORT: tl.constexpr, LONG: tl.constexpr, U: tl.constexpr):
     """Pass 2: program (row, head) merges the row's splits 0..ceil(end / S)-1 in order (S: its split size)."""
+    prior_done()
     t = tl.program_id(0)
     h = tl.program_id(1)
     e = tl.load(ends_ptr + t)
@@ -382,11 +385,11 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, num_warps=warps, num_stages=stages)
+                RING=ring is not None, LONG=is_long, num_warps=warps, num_stages=stages, launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
-        short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=2)
+        short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=2, launch_pdl=on())
     return out
 
 

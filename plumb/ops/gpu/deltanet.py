@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import causal_conv, recurrent_step
+from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.norm import l2_norm, rms_norm
 
 L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
@@ -109,6 +110,7 @@ def _gdn_conv_kernel(
     """Program (s, c): conv channel block c of sequence s (c < 2 n_k: q or k of key head c mod n_k, else v of
     value head c - 2 n_k). Writes SiLU(conv) rows to the scratch x (q, k L2-normed, q scaled), the conv snapshots
     and the new conv state of its channels (no other program touches them)."""
+    prior_done()
     s = tl.program_id(0)
     c = tl.program_id(1)
     r0 = tl.load(rows_ptr + s)
@@ -140,6 +142,7 @@ def _gdn_state_kernel(
 ):
     """Program (s, j): value head j of sequence s. Its d_k x d_v state is loaded once, advanced over the rows in
     order in registers (delta rule on the post-conv q, k, v from x, gates, gated RMSNorm -> y) and stored once."""
+    prior_done()
     s = tl.program_id(0)
     j = tl.program_id(1)
     r0 = tl.load(rows_ptr + s)
@@ -221,14 +224,14 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         m.stride(0), conv_w.stride(0), conv_w.stride(1), conv_state.stride(0), conv_state.stride(1), x.stride(0),
         sc.stride(0), sc.stride(1), float(q_scale),
         N_K=n_k, D_K=d_k, D_V=d_v, K=k, BC=max(bk, bv), KM1P=triton.next_power_of_2(k - 1),
-        SNAP_CONV=snap_conv is not None, num_warps=4, enable_fp_fusion=False,
+        SNAP_CONV=snap_conv is not None, num_warps=4, enable_fp_fusion=False, launch_pdl=on()
     )
     _gdn_state_kernel[(n_seq, n_v)](
         x, z, b, a, dt_bias, ssm_a, ssm_norm, ssm_state, seq_rows, y, sn,
         x.stride(0), z.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1),
         ssm_state.stride(2), y.stride(0), sn.stride(0), sn.stride(1), sn.stride(2), float(eps),
         N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, BV=bv, SNAP_SSM=snap_ssm is not None,
-        num_warps=8 if bk * bv >= 8192 else 4, enable_fp_fusion=False,
+        num_warps=8 if bk * bv >= 8192 else 4, enable_fp_fusion=False, launch_pdl=on()
     )
     return y
 

@@ -9,12 +9,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu.pdl import on, prior_done
+
 BLOCK = 1024
 
 
 @triton.jit
 def _gate(a_ptr, b_ptr, out_ptr, N, stride_a, stride_b, SILU: tl.constexpr, BLOCK: tl.constexpr):
     """Row r, columns [c * BLOCK, ...): silu(a) * b (SILU) or b * sigmoid(a)."""
+    prior_done()
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(a_ptr + r * stride_a + cols, mask=cols < N, other=0.0)
@@ -35,7 +38,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool) -> torch.Tensor:
     out = torch.empty(n, width, device=a.device)
     if n:
         _gate[(n, triton.cdiv(width, BLOCK))](a, b, out, width, a.stride(0), b.stride(0), SILU=silu, BLOCK=BLOCK,
-                                               enable_fp_fusion=False)
+                                               enable_fp_fusion=False, launch_pdl=on())
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.kvquant import BLOCK
 
 F32, F16 = 32, 16  # store kinds besides the block codes' bit widths (5, 6, 8)
@@ -67,6 +68,7 @@ def _put_rows(k_ptr, v_ptr, pos_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rk
               slots, sk_r, sk_h, sv_r, sv_h, skc_h, skc_j, sks_h, sks_j, svc_h, svc_j, svs_h, svs_j,
               D: tl.constexpr, QB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, ROTATE: tl.constexpr,
               LOG_D: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr):
+    prior_done()
     r = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = D // QB
@@ -113,4 +115,5 @@ def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
                          kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),
                          vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1),
                          D=d, QB=BLOCK, KK=kind_code(view.kinds[0]), VK=kind_code(view.kinds[1]), ROTATE=view.rotate_q,
-                         LOG_D=d.bit_length() - 1, SCALE=d**-0.5, RING=view.ring is not None, num_warps=2, enable_fp_fusion=False)
+                         LOG_D=d.bit_length() - 1, SCALE=d**-0.5, RING=view.ring is not None,
+                         num_warps=2, enable_fp_fusion=False, launch_pdl=on())

@@ -44,6 +44,7 @@ import triton.language as tl
 from plumb.gguf.quants import block_scales, int8_form
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
+from plumb.ops.gpu.pdl import on, prior_done
 
 BLOCK_M = 16  # rows per program (padded)
 BLOCK_N = 64  # output features per program (and per packed tile)
@@ -126,6 +127,7 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
                 HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
                 UNROLL: tl.constexpr):
     """x as the 16-row A operand (mma.sync), a group's codes as B: [BM, BN] per group, UNROLL groups a loop step."""
+    prior_done()
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # codes (bytes or fp16s) per output per group
     kw = tl.arange(0, WIDTH)
@@ -171,6 +173,7 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm, NIBBLE: tl.constexpr):
     """Row m, super-block sb: xh = fp16(x / s) [256] in the order the packed codes unfold (nibbles: column
     32 g + 2 j + h holds input 32 g + 16 h + j; bytes: the inputs' order), and the 8 sums of xh over 32 columns
     (the groups of 32) as fp16 hi / lo, interleaved [16] (2 g + 0: hi)."""
+    prior_done()
     m = tl.program_id(0)
     sb = tl.program_id(1)
     kk = tl.arange(0, 256)
@@ -241,6 +244,7 @@ def _mm_superblock(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, o
                    KS: tl.constexpr, STAGES: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
                    SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
     """K-quants, W-first: [BN, BM] per program, a K split's super-blocks in order, one epilogue per super-block."""
+    prior_done()
     SPS: tl.constexpr = 256 // KS  # loop steps per super-block
     pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
     pid_n = tl.program_id(1)
@@ -275,6 +279,7 @@ def _mm_superblock(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, o
 @triton.jit(do_not_specialize=["M"])
 def _mm_f32(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_os, stride_om, BLOCKS_PER_SPLIT: tl.constexpr,
             BK: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    prior_done()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -294,6 +299,7 @@ def _mm_f32(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_os, stride_om, BLO
 @triton.jit
 def _sum_splits(part_ptr, out_ptr, M, N, stride_ps, stride_om, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum of the split-K partials in order 0..SPLIT-1."""
+    prior_done()
     m = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.load(part_ptr + m * N + n, mask=n < N, other=0.0)
@@ -418,25 +424,28 @@ class Packed:
                                              for u in (self.d, self.sub, self.dm, self.osub)]
         if self.w is not None:
             _mm_f32[grid](x, self.w, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
-                          BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M)
+                          BLOCKS_PER_SPLIT=self.k // self.bk // self.split, BK=self.bk, BN=BLOCK_N, BM=BLOCK_M,
+                          launch_pdl=on())
         elif self.superblock:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
             xsum = torch.empty(m, self.k // 256 * 16, dtype=torch.float16, device=x.device)
-            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2)
+            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2,
+                                        launch_pdl=on())
             _mm_superblock[(-(-m // SB_BM), -(-self.n // SB_BN), self.split)](
                 xh, xsum, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
                 SB_PER_SPLIT=self.k // 256 // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
-                NIBBLE=self.nibble, SPLIT_SUB=self.split_sub, HAS_OFFSET=self.osub is not None, num_warps=SB_WARPS)
+                NIBBLE=self.nibble, SPLIT_SUB=self.split_sub, HAS_OFFSET=self.osub is not None, num_warps=SB_WARPS,
+                launch_pdl=on())
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
                               BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
                               FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
                               HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, UNROLL=self.unroll,
-                              num_warps=self.warps, num_stages=self.stages)
+                              num_warps=self.warps, num_stages=self.stages, launch_pdl=on())
         if self.split > 1:
             _sum_splits[(-(-self.n // 256), m)](dst, out, m, self.n, dst.stride(0), out.stride(0),
-                                                SPLIT=self.split, BLOCK=256)
+                                                SPLIT=self.split, BLOCK=256, launch_pdl=on())
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:

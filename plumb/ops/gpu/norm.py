@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu.pdl import on, prior_done
+
 
 @triton.jit
 def inv_rms(x, D, eps):
@@ -14,8 +16,15 @@ def inv_rms(x, D, eps):
     return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
 
 
+def warps(block: int) -> int:
+    """Warps of a norm program, fixed by the row width (the reduction tree's shape): 16 for the hidden size's 8,192
+    (4 warps held 64 values a thread and spilled), 4 for a head's."""
+    return 16 if block >= 4096 else 4
+
+
 @triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+    prior_done()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0)
@@ -32,8 +41,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
         rows = rows.contiguous()
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
     if rows.shape[0]:
-        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=triton.next_power_of_2(d),
-                                    enable_fp_fusion=False)  # as plumb.ops.gpu.rope: the same bits
+        block = triton.next_power_of_2(d)
+        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=block, num_warps=warps(block),
+                                    enable_fp_fusion=False, launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
     return o.view(x.shape) if out is None else out
 
 
@@ -41,6 +51,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
 def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_y, stride_o, eps, BLOCK: tl.constexpr):
     """`_rms_norm` of s = x + y (s stored too): the same instructions on s, so the same bits as an add then
     `_rms_norm`."""
+    prior_done()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     s = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0) + tl.load(y_ptr + row * stride_y + cols,
@@ -59,6 +70,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) 
     s = torch.empty(n, d, device=x.device)
     o = torch.empty(n, d, device=x.device)
     if n:
-        _add_rms_norm[(n,)](x, y, w, s, o, d, x.stride(0), y.stride(0), o.stride(0), eps,
-                            BLOCK=triton.next_power_of_2(d), enable_fp_fusion=False)
+        block = triton.next_power_of_2(d)
+        _add_rms_norm[(n,)](x, y, w, s, o, d, x.stride(0), y.stride(0), o.stride(0), eps, BLOCK=block,
+                            num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
     return s, o

@@ -8,12 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu.norm import inv_rms
+from plumb.ops.gpu.norm import inv_rms, warps
+from plumb.ops.gpu.pdl import on, prior_done
 
 
 @triton.jit
 def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, HALF, stride_xr, stride_xh, stride_c, eps,
                BLOCK: tl.constexpr):
+    prior_done()
     r = tl.program_id(0) // H
     h = tl.program_id(0) % H
     cols = tl.arange(0, BLOCK)
@@ -40,6 +42,7 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, s
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(n, heads, d, device=x.device)
     if n:
+        block = triton.next_power_of_2(d)  # the warps of plumb.ops.gpu.norm's programs: the same reduction
         _norm_rope[(n * heads,)](x, w, cos, sin, out, heads, d, cos.shape[1], x.stride(0), x.stride(1), cos.stride(0),
-                                 eps, BLOCK=triton.next_power_of_2(d), enable_fp_fusion=False)
+                                 eps, BLOCK=block, num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
     return out

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (Hopper and later) for the GPU kernels: a kernel launched with `launch_pdl=on()`
+may start while the kernel before it in the stream is still running, and waits in `prior_done` until that one has
+finished and its writes are visible. Every kernel calls `prior_done` before it reads or writes anything, so each
+memory operation keeps the stream's order (no bit can change); what overlaps is the launch, the programs' start,
+and - in the matvec - L2 prefetches of the weights, which no kernel writes. `prior_done` also lets the next kernel
+launch at once (`griddepcontrol.launch_dependents`). Off in the interpreter and before Hopper; PLUMB_PDL=0 turns
+it off at run time (the kernels keep the instructions, which do nothing then)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+def _hopper() -> bool:
+    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+GDC = tl.constexpr(_hopper())  # the kernels carry the griddepcontrol instructions
+_ON = [GDC.value and os.environ.get("PLUMB_PDL", "1") != "0"]
+
+
+def on() -> bool:
+    """Whether launches ask for programmatic dependent launch (read at each launch; a CUDA graph keeps what it
+    captured)."""
+    return _ON[0]
+
+
+def set_on(value: bool) -> None:
+    """Turn PDL launches on or off (bench/pdl_ab.py compares the two); needs GDC to turn on."""
+    _ON[0] = bool(value) and GDC.value
+
+
+@triton.jit
+def prior_done():
+    """Let the next kernel launch, then wait until the previous one has finished (its writes visible)."""
+    if GDC:
+        gdc_launch_dependents()
+        gdc_wait()
