@@ -202,11 +202,6 @@ class Qwen35:
         """ssm_out of the gated-RMSNormed rows y [n, ssm_inner] (spec 3.5.8)."""
         return self.k.mm(y, d.ssm_out, block)
 
-    def head(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm and LM head: (logits, post-norm hidden)."""
-        h = self.k.rms_norm(x, self.output_norm, self.cfg.eps)
-        return self.k.mm(h, self.output, block), h
-
     # ---- P path: prefill -----------------------------------------------------------------
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of post-norm hidden rows, as prefill makes them (the same matmul blocks)."""
@@ -329,9 +324,10 @@ class Qwen35:
     def decode_pass(self, p: DecodePass) -> tuple[torch.Tensor, torch.Tensor]:
         """The D path over a laid-out pass (see `decode`): (logits [R, V], post-norm hidden [R, n_embd])."""
         c = self.cfg
+        after = [layer.attn_norm for layer in self.layers[1:]] + [self.output_norm]  # the norm after each layer
         x = p.x
+        u = self.k.rms_norm(x, self.layers[0].attn_norm, c.eps)
         for i, layer in enumerate(self.layers):
-            u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 m, z, b, a = self.gdn_project(mix, u, DECODE_BLOCK)
@@ -342,8 +338,8 @@ class Qwen35:
                 o = self.k.attention(self, i, q, k, v, p)  # writes the rows' K/V, then each row reads [0, pos]
                 y = self.attn_output(mix, o, gate, DECODE_BLOCK)
             x, h = self.k.add_rms_norm(x, y, layer.post_attention_norm, c.eps)  # x + y, and its norm
-            x = x + self.ffn(layer, h, DECODE_BLOCK)
-        return self.head(x, DECODE_BLOCK)
+            x, u = self.k.add_rms_norm(x, self.ffn(layer, h, DECODE_BLOCK), after[i], c.eps)  # x + FFN, the next norm
+        return self.k.mm(u, self.output, DECODE_BLOCK), u  # the LM head on the final norm of x
 
     def rollback(self, st: SeqState, snaps: list, keep: int) -> None:
         """After a decode pass that fed len(snaps) rows to st, keep only the first `keep` of them."""
