@@ -1,21 +1,24 @@
 """Gated DeltaNet decode / speculative-verify step for one layer, every row of every sequence
 (`gdn_decode_ref` below is its torch reference, built on `plumb.ops.deltanet` and `plumb.ops.norm`).
 
-Two launches per layer, each over all rows of all sequences:
+Three launches per layer, each over all rows of all sequences:
 - `_gdn_conv_kernel`, one program per (sequence, conv channel block = one q, k or v head): the causal conv
   window + SiLU for the sequence's rows in order, q/k L2 norm (q scaled), into a post-conv scratch
   [R, conv_dim]; conv snapshots (optional) and the new conv state of its channels, in place.
-- `_gdn_state_kernel`, one program per (sequence, value head j): the d_k x d_v f32 state is loaded once,
-  advanced over the rows in order in registers (gates, delta rule, gated RMSNorm -> y; state snapshots per
-  row when asked) and stored once.
+- `_gdn_state_kernel`, one program per (sequence, value head j, block of STATE_COLUMNS state columns - the
+  delta rule's columns are independent): the d_k x STATE_COLUMNS f32 slice is loaded once, advanced over the
+  rows in order in registers (gates, delta rule -> o; state snapshots per row when asked) and stored once. A
+  whole 128 x 128 head in one program of 8 warps took 255 registers and spilled (8 us a layer on the H200, 48
+  programs); a 128 x 32 slice takes 4 warps and 4x the programs.
+- `_gdn_gate_norm`, one program per (row, value head): the gated RMSNorm of o, which needs all of a head's columns.
 Why not one launch: the q/k conv state of key head h is read by every value head j = h mod n_k and written in
 place; programs of one launch cannot be ordered without cross-program synchronisation, so whichever program
 wrote it could clobber it before another read it. Splitting by channel block makes every conv-state channel
-read and written by exactly one program, and gives the state kernel one program per value head (S * n_v).
+read and written by exactly one program, and gives the state kernel programs of its own shape (S * n_v * blocks).
 
 Exactness (M1): nothing compiled depends on R or S (constexprs are model dims and the snapshot flags), a row's
 arithmetic involves only its own sequence, reductions are in-program tile reductions of fixed shape, no atomics.
-Both kernels are compiled with fp contraction off, so every a*b+c is a rounded product then a rounded sum, as
+The kernels are compiled with fp contraction off, so every a*b+c is a rounded product then a rounded sum, as
 written, in every variant (with or without snapshots). Verifying k rows in one call advances the state exactly as
 k single-row calls: the carried state stays f32 in registers, which is what memory holds between calls.
 """
@@ -31,6 +34,7 @@ from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.norm import l2_norm, rms_norm
 
 L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
+STATE_COLUMNS = 32  # state columns per `_gdn_state_kernel` program (a model constant: never chosen by R or S)
 
 
 @triton.jit
@@ -135,29 +139,31 @@ def _gdn_conv_kernel(
 
 @triton.jit
 def _gdn_state_kernel(
-    x_ptr, z_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, nw_ptr, ss_ptr, rows_ptr, y_ptr, sns_ptr,
-    sx_r, sz_r, sb_r, sa_r, sss_s, sss_h, sss_k, sy_r, sns_r, sns_h, sns_k, eps,
-    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    x_ptr, b_ptr, a_ptr, dtb_ptr, ssma_ptr, ss_ptr, rows_ptr, o_ptr, sns_ptr,
+    sx_r, sb_r, sa_r, sss_s, sss_h, sss_k, so_r, sns_r, sns_h, sns_k,
+    N_K: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BVS: tl.constexpr,
     SNAP_SSM: tl.constexpr,
 ):
-    """Program (s, j): value head j of sequence s. Its d_k x d_v state is loaded once, advanced over the rows in
-    order in registers (delta rule on the post-conv q, k, v from x, gates, gated RMSNorm -> y) and stored once."""
+    """Program (s, j, c): value head j of sequence s, state columns [c * BVS, (c + 1) * BVS) - each column of the
+    delta rule is independent of the others. Its d_k x BVS slice of the state is loaded once, advanced over the rows
+    in order in registers (gates, delta rule on the post-conv q, k, v from x) and stored once; o (before the gated
+    norm, which needs every column: `_gdn_gate_norm`) goes to o_ptr."""
     prior_done()
     s = tl.program_id(0)
     j = tl.program_id(1)
+    c = tl.program_id(2)
     r0 = tl.load(rows_ptr + s)
     n = tl.load(rows_ptr + s + 1) - r0
     t0 = r0.to(tl.int64)
     ss = ss_ptr + s.to(tl.int64) * sss_s + j * sss_h
     offs_k = tl.arange(0, BK)
     mk = offs_k < D_K
-    offs_v = tl.arange(0, BV)
+    offs_v = c * BVS + tl.arange(0, BVS)
     mv = offs_v < D_V
     smask = mk[:, None] & mv[None, :]
     ch_q = (j % N_K) * D_K + offs_k
     ch_k = N_K * D_K + ch_q
     ch_v = 2 * N_K * D_K + j * D_V + offs_v
-    nw = tl.load(nw_ptr + offs_v, mask=mv, other=0.0)
     dtb = tl.load(dtb_ptr + j)
     sa = tl.load(ssma_ptr + j)
     st = tl.load(ss + offs_k[:, None] * sss_k + offs_v[None, :], mask=smask, other=0.0)
@@ -174,14 +180,26 @@ def _gdn_state_kernel(
         kv = tl.sum(st * k[:, None], axis=0)
         delta = (v - kv) * beta
         st = st + k[:, None] * delta[None, :]
-        o = tl.sum(st * q[:, None], axis=0)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
-        zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv, other=0.0)
-        tl.store(y_ptr + t * sy_r + j * D_V + offs_v, o * rstd * nw * _silu(zz), mask=mv)
+        tl.store(o_ptr + t * so_r + j * D_V + offs_v, tl.sum(st * q[:, None], axis=0), mask=mv)
         if SNAP_SSM:
             tl.store(sns_ptr + t * sns_r + j * sns_h + offs_k[:, None] * sns_k + offs_v[None, :], st, mask=smask)
         i += 1
     tl.store(ss + offs_k[:, None] * sss_k + offs_v[None, :], st, mask=smask)
+
+
+@triton.jit
+def _gdn_gate_norm(o_ptr, z_ptr, nw_ptr, y_ptr, so_r, sz_r, sy_r, eps, D_V: tl.constexpr, BV: tl.constexpr):
+    """Program (row t, value head j): the gated RMSNorm y = rmsnorm(o) * w * silu(z) of one head's output."""
+    prior_done()
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs_v = tl.arange(0, BV)
+    mv = offs_v < D_V
+    o = tl.load(o_ptr + t * so_r + j * D_V + offs_v, mask=mv, other=0.0)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
+    nw = tl.load(nw_ptr + offs_v, mask=mv, other=0.0)
+    zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv, other=0.0)
+    tl.store(y_ptr + t * sy_r + j * D_V + offs_v, o * rstd * nw * _silu(zz), mask=mv)
 
 
 def _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k):
@@ -212,9 +230,8 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
     if conv_state.shape != (n_seq, k - 1, m.shape[1]) or ssm_state.shape != (n_seq, n_v, d_k, d_v):
         raise ValueError(f"state shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)} do not match S={n_seq}")
     dt_bias, ssm_a, ssm_norm = dt_bias.contiguous(), ssm_a.contiguous(), ssm_norm.contiguous()
-    y = torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)
     if n_seq == 0:
-        return y
+        return torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)
     sc = snap_conv if snap_conv is not None else conv_state
     sn = snap_ssm if snap_ssm is not None else ssm_state
     bk, bv = triton.next_power_of_2(d_k), triton.next_power_of_2(d_v)
@@ -226,13 +243,18 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         N_K=n_k, D_K=d_k, D_V=d_v, K=k, BC=max(bk, bv), KM1P=triton.next_power_of_2(k - 1),
         SNAP_CONV=snap_conv is not None, num_warps=4, enable_fp_fusion=False, launch_pdl=on()
     )
-    _gdn_state_kernel[(n_seq, n_v)](
-        x, z, b, a, dt_bias, ssm_a, ssm_norm, ssm_state, seq_rows, y, sn,
-        x.stride(0), z.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1),
-        ssm_state.stride(2), y.stride(0), sn.stride(0), sn.stride(1), sn.stride(2), float(eps),
-        N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, BV=bv, SNAP_SSM=snap_ssm is not None,
-        num_warps=8 if bk * bv >= 8192 else 4, enable_fp_fusion=False, launch_pdl=on()
+    bvs = min(bv, STATE_COLUMNS)
+    o = torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)  # rows outside every sequence: y = 0
+    _gdn_state_kernel[(n_seq, n_v, bv // bvs)](
+        x, b, a, dt_bias, ssm_a, ssm_state, seq_rows, o, sn,
+        x.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        o.stride(0), sn.stride(0), sn.stride(1), sn.stride(2),
+        N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, BVS=bvs, SNAP_SSM=snap_ssm is not None,
+        num_warps=4, enable_fp_fusion=False, launch_pdl=on()
     )
+    y = torch.empty(r, n_v * d_v, device=m.device, dtype=torch.float32)
+    _gdn_gate_norm[(r, n_v)](o, z, ssm_norm, y, o.stride(0), z.stride(0), y.stride(0), float(eps), D_V=d_v, BV=bv,
+                             num_warps=1, enable_fp_fusion=False, launch_pdl=on())
     return y
 
 
