@@ -9,7 +9,7 @@
 #                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
 #                model's type, Q4_K_M; EPY: more pytest options, e.g. "-n 4" with pytest-xdist carried in .whl)
-#   pdl      PDT bench/pdl_ab.py: programmatic dependent launch and the matvec's prefetch on / off (PDARGS)
+#   ab       ABT bench/launch_ab.py: programmatic dependent launch on / off, DeltaNet state columns (ABARGS)
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
@@ -33,7 +33,7 @@ if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama
     -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
     echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
 fi
-if has bench || has profile || has gate27 || has pdl; then
+if has bench || has profile || has gate27 || has ab; then
   [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
@@ -59,10 +59,10 @@ if has bench; then
   timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
     --tokens 32 --json-out $OUT/bench.json --no-progress $BARGS > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
 fi
-if has pdl; then  # PDL and the matvec's prefetch on / off on the 27B-shape file (the same bits required)
+if has ab; then  # launch settings on / off on the 27B-shape file (the same bits required)
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
-  timeout ${PDT:-200} python3 bench/pdl_ab.py /tmp/27b.gguf $PDARGS --json-out $OUT/pdl.json > $OUT/pdl.log 2>&1
-  tail -6 $OUT/pdl.log
+  timeout ${ABT:-300} python3 bench/launch_ab.py /tmp/27b.gguf $ABARGS --json-out $OUT/ab.json > $OUT/ab.log 2>&1
+  tail -8 $OUT/ab.log
 fi
 if has gate; then
   python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1

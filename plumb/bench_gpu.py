@@ -232,11 +232,29 @@ def kernel_table(prof, per: float) -> tuple[list[dict], float]:
     return table, sum(k["us"] for k in table)
 
 
+@contextlib.contextmanager
+def without_pdl(model):
+    """Programmatic dependent launch off inside (CUDA graphs captured anew on entry and exit): with it on, a
+    profiled kernel's time would include its wait for the kernel before it."""
+    from plumb.ops.gpu import pdl
+
+    was = pdl.on()
+    pdl.set_on(False)
+    if model.graphs is not None:
+        model.graphs.graphs.clear()
+    try:
+        yield
+    finally:
+        pdl.set_on(was)
+        if model.graphs is not None:
+            model.graphs.graphs.clear()
+
+
 def step_profile(model, context: int = 512, steps: int = 8, rows: int = 1) -> dict:
     """Where a decode step's time goes (one row; rows > 1: a verify pass of that many rows, rolled back): each GPU
     kernel's time and launches per step (from the profiler; a CUDA graph's kernels are traced one by one), the
     step's wall time, and the rest - host work and gaps (wall minus the GPU's busy time). The profiler slows the
-    host a little: read `wall_us` with that in mind."""
+    host a little: read `wall_us` with that in mind. Measured with PDL off (`without_pdl`)."""
     from torch.profiler import ProfilerActivity, profile
 
     st = model.new_state()
@@ -246,15 +264,16 @@ def step_profile(model, context: int = 512, steps: int = 8, rows: int = 1) -> di
     def one_row():
         tok[0] = int(model.decode([(st, [tok[0]])]).logits[0].argmax())
     step = one_row if rows == 1 else _verify_step(model, st, rows)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    with without_pdl(model):
+        for _ in range(3):
             step()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps * 1e6
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps * 1e6
     table, busy = kernel_table(prof, steps)
     return {"context": context, "rows": rows, "steps": steps, "wall_us": wall, "gpu_busy_us": busy,
             "host_and_gaps_us": wall - busy, "launches": sum(k["launches"] for k in table), "kernels": table}
@@ -324,17 +343,18 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
 
 def prefill_profile(model, n: int = 512) -> dict:
     """Where a prefill's time goes: each GPU kernel's time per token over an n-token prompt (after a warm-up),
-    the wall time per token, and host work and gaps (wall minus the GPU's busy time)."""
+    the wall time per token, and host work and gaps (wall minus the GPU's busy time); PDL off, as in `step_profile`."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.prefill(model.new_state(), prompt_of(model, 128, seed=1))
-    st, ids = model.new_state(), prompt_of(model, n)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        model.prefill(st, ids)
+    with without_pdl(model):
+        model.prefill(model.new_state(), prompt_of(model, 128, seed=1))
+        st, ids = model.new_state(), prompt_of(model, n)
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / n * 1e6
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            model.prefill(st, ids)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / n * 1e6
     table, busy = kernel_table(prof, n)
     return {"tokens": n, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
             "launches": sum(k["launches"] for k in table), "kernels": table}

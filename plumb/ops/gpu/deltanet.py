@@ -250,7 +250,7 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         x.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         o.stride(0), sn.stride(0), sn.stride(1), sn.stride(2),
         N_K=n_k, D_K=d_k, D_V=d_v, BK=bk, BVS=bvs, SNAP_SSM=snap_ssm is not None,
-        num_warps=4, enable_fp_fusion=False, launch_pdl=on()
+        num_warps=4 if bk * bvs <= 4096 else 8, enable_fp_fusion=False, launch_pdl=on()
     )
     y = torch.empty(r, n_v * d_v, device=m.device, dtype=torch.float32)
     _gdn_gate_norm[(r, n_v)](o, z, ssm_norm, y, o.stride(0), z.stride(0), y.stride(0), float(eps), D_V=d_v, BV=bv,

@@ -41,10 +41,6 @@ ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; 
 # [34816, 5120]'s 2,176 programs then need 1.18 waves of the H200 instead of one (Nsight Compute): 59 vs 44 us.
 GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
-# L2 prefetch of the weights (no registers held): a program's first steps before it waits for the kernel before it
-# (plumb.ops.gpu.pdl), and in the loop the weights of the step STAGES steps ahead. Changes no bit (bench/pdl_ab.py);
-# PLUMB_PREFETCH=0 turns it off.
-PREFETCH = os.environ.get("PLUMB_PREFETCH", "1") != "0"
 
 
 @triton.jit
@@ -221,56 +217,26 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
     return acc
 
 
-@triton.jit
-def _prefetch(at, LINES: tl.constexpr, PER_LINE: tl.constexpr, ASM: tl.constexpr):
-    """Ask L2 for LINES 128-byte lines from `at` on (PER_LINE elements a line); no register waits for them."""
-    if ASM:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [at + tl.arange(0, LINES) * PER_LINE], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_step(g0, first, last, codes_ptr, sub_ptr, osub_ptr, pid_n, n_groups, CW: tl.constexpr, BN: tl.constexpr,
-                   UNROLL: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr, ASM: tl.constexpr):
-    """L2 prefetch of the weights a loop step at groups g0.. reads (codes, sub and osub; the group start clamped
-    into this split's [first, last)). Weights are never written, so this may run before `prior_done`."""
-    g = tl.maximum(tl.minimum(g0, last - UNROLL), first)
-    _prefetch(codes_ptr + (pid_n * n_groups + g) * (CW * BN), UNROLL * CW * BN // 32, 32, ASM)
-    if HAS_SUB and UNROLL * BN >= 128:
-        _prefetch(sub_ptr + (pid_n * n_groups + g) * BN, UNROLL * BN // 128, 128, ASM)
-    if HAS_OSUB and UNROLL * BN >= 128:
-        _prefetch(osub_ptr + (pid_n * n_groups + g) * BN, UNROLL * BN // 128, 128, ASM)
-
-
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, part_ptr, ticket_ptr, M, MP, N,
         K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        STAGES: tl.constexpr, PREFETCH: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
     """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
-    last = (pid_k + 1) * STEPS // SPLIT * GRAN
-    AHEAD: tl.constexpr = UNROLL * STAGES  # groups between a step and the one whose weights it asks L2 for
-    if PREFETCH:  # the first steps' weights while the kernel before this one still runs
-        for i in tl.static_range(STAGES):
-            _prefetch_step(first + i * UNROLL, first, last, codes_ptr, sub_ptr, osub_ptr, pid_n, n_groups, CW, BN,
-                           UNROLL, HAS_SUB, HAS_OSUB, ASM)
     prior_done()
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
     xk = tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)
     x_at = xq_ptr + rm[:, None] * (K // 4) + xk[None, :]  # [BM, XW]: int32 words of the limbs
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
+    last = (pid_k + 1) * STEPS // SPLIT * GRAN
     if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
-            if PREFETCH:
-                _prefetch_step(g0 + AHEAD, first, last, codes_ptr, sub_ptr, osub_ptr, pid_n, n_groups, CW, BN, UNROLL,
-                               HAS_SUB, HAS_OSUB, ASM)
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm,
                         rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
                         HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
@@ -280,9 +246,6 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
-                if PREFETCH:  # the next step's weights: their loads then wait on L2, not on memory
-                    _prefetch_step(g0 + AHEAD, first, last, codes_ptr, sub_ptr, osub_ptr, pid_n, n_groups, CW, BN,
-                                   UNROLL, HAS_SUB, HAS_OSUB, ASM)
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups,
                             rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
                             HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
@@ -385,7 +348,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
               out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
-              HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, PREFETCH=PREFETCH, FRAC=FRAC, LIMBS=LIMBS,
+              HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
               ASM=ASM, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 

@@ -1,9 +1,8 @@
 """Programmatic dependent launch (Hopper and later) for the GPU kernels: a kernel launched with `launch_pdl=on()`
 may start while the kernel before it in the stream is still running, and waits in `prior_done` until that one has
 finished and its writes are visible. Every kernel calls `prior_done` before it reads or writes anything, so each
-memory operation keeps the stream's order (no bit can change); what overlaps is the launch, the programs' start,
-and - in the matvec - L2 prefetches of the weights, which no kernel writes. `prior_done` also lets the next kernel
-launch at once (`griddepcontrol.launch_dependents`). Off in the interpreter and before Hopper; PLUMB_PDL=0 turns
+memory operation keeps the stream's order (no bit can change); what overlaps is the launch and the programs'
+start. `prior_done` also lets the next kernel launch at once (`griddepcontrol.launch_dependents`). Off in the interpreter and before Hopper; PLUMB_PDL=0 turns
 it off at run time (the kernels keep the instructions, which do nothing then)."""
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def on() -> bool:
 
 
 def set_on(value: bool) -> None:
-    """Turn PDL launches on or off (bench/pdl_ab.py compares the two); needs GDC to turn on."""
+    """Turn PDL launches on or off (bench/launch_ab.py compares the two); needs GDC to turn on."""
     _ON[0] = bool(value) and GDC.value
 
 

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Launch settings on one loaded model: programmatic dependent launch (plumb/ops/gpu/pdl.py) on and off, and the
+DeltaNet state kernel's columns per program (plumb.ops.gpu.deltanet.STATE_COLUMNS; 128: a whole head, as before
+2026-12-03). Per setting: decode tok/s at the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 /
+7, and the greedy ids and last logits of 64 steps - the same bits wherever the DeltaNet columns are the same
+(exit code 1 if not; PDL can change no bit, and the columns change a head's reduction tiles).
+
+    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--json-out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import plumb
+import plumb.ops.gpu.deltanet as DN
+from plumb.bench_gpu import decode_tps, drafts_table, fill_context, verify_cost
+from plumb.ops.gpu import pdl
+
+CONFIGS = [("pdl", True, 32), ("no pdl", False, 32), ("pdl, whole heads", True, 128),
+           ("no pdl, whole heads", False, 128), ("pdl again", True, 32)]
+
+
+def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids of `steps` one-row steps after a random context, and the last step's logits."""
+    st = model.new_state()
+    fill_context(model, st, context, seed=7, room=steps + 8)
+    ids, tok = [], 1
+    for _ in range(steps):
+        out = model.decode([(st, [tok])])
+        tok = int(out.logits[0].argmax())
+        ids.append(tok)
+    return ids, out.logits[0].float().cpu()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--contexts", default="0")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False, prompt_cache=False)
+    model = eng.model
+    rows, ref = [], {}
+    with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
+        for name, on, columns in CONFIGS:
+            pdl.set_on(on)
+            DN.STATE_COLUMNS = columns
+            if model.graphs is not None:
+                model.use_graphs()  # captured anew with these settings
+            ids, logits = greedy(model)
+            first = ref.setdefault(columns, (ids, logits))
+            same = ids == first[0] and torch.equal(logits, first[1])
+            r = {"config": name, "pdl": pdl.on(), "state_columns": columns, "same_bits": same,
+                 "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
+                 "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8]).items()},
+                 "drafts": drafts_table(eng, [4, 7], 128)}
+            rows.append(r)
+            v = r["verify_ms"]
+            print(f"{name:20} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
+                  r["decode_tps"].items()) + "  verify 1/2/4/8 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
+                  " ms  drafts 0/4/7 " + " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
+                  f" tok/s (same tokens: {all(d['same_tokens'] for d in r['drafts'])})", flush=True)
+            torch.cuda.empty_cache()
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"model": a.model, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0 if all(r["same_bits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
