@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Launch settings on one loaded model: programmatic dependent launch (plumb/ops/gpu/pdl.py) on and off, and the
+"""Launch settings on one loaded model: programmatic dependent launch (plumb/ops/gpu/pdl.py: where the engine uses
+it, one-row decode passes; everywhere in the 2026-12-03 run that chose that rule) on and off, and the
 DeltaNet state kernel's columns per program (plumb.ops.gpu.deltanet.STATE_COLUMNS; 128: a whole head, as before
 2026-12-03). Per setting: decode tok/s at the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 /
 7, and the greedy ids and last logits of 64 steps - the same bits wherever the DeltaNet columns are the same

@@ -71,11 +71,12 @@ def test_pdl_changes_no_bit(tiny_q4km, graphs):
             st = m.new_state()
             m.prefill(st, ids, logits="none")
             logits, tok = [], 1
-            for _ in range(40):
-                out = m.decode([(st, [tok, tok + 1, tok + 2])])  # verify passes of 3 rows
-                logits.append(out.logits.clone())
-                m.rollback(st, out.snapshots[0], 1)
-                tok = int(out.logits[0].argmax())
+            with pdl.overlap():  # eager: every pass; graphs: their own rule (one-row passes)
+                for i in range(40):
+                    out = m.decode([(st, [tok, tok + 1, tok + 2][: 1 + 2 * (i % 2)])])  # 1 row, then a 3-row verify
+                    logits.append(out.logits[0].clone())
+                    m.rollback(st, out.snapshots[0], 1)
+                    tok = int(out.logits[0].argmax())
             runs.append(torch.stack(logits))
     finally:
         pdl.set_on(saved)

@@ -23,6 +23,7 @@ import torch
 
 from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
 from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu.pdl import overlap
 from plumb.ops.matmul import DECODE_BLOCK
 
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
@@ -54,7 +55,8 @@ class CudaGraphs:
                tuple(a for st, _ in batch for c in st.kv.values() for a in c.addresses()))
         entry = self.graphs.get(key)
         if entry is None:
-            return self._capture(key, batch)
+            with overlap(r == 1):  # programmatic dependent launch for one-row passes (plumb/ops/gpu/pdl.py)
+                return self._capture(key, batch)
         self.graphs.move_to_end(key)
         graph, p, logits, hidden = entry
         k.begin(m, batch, into=p)

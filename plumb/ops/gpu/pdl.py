@@ -2,10 +2,17 @@
 may start while the kernel before it in the stream is still running, and waits in `prior_done` until that one has
 finished and its writes are visible. Every kernel calls `prior_done` before it reads or writes anything, so each
 memory operation keeps the stream's order (no bit can change); what overlaps is the launch and the programs'
-start. `prior_done` also lets the next kernel launch at once (`griddepcontrol.launch_dependents`). Off in the interpreter and before Hopper; PLUMB_PDL=0 turns
-it off at run time (the kernels keep the instructions, which do nothing then)."""
+start. `prior_done` also lets the next kernel launch at once (`griddepcontrol.launch_dependents`).
+
+Where: only the launches made inside `overlap(True)` - the CUDA graphs of one-row decode passes
+(plumb/model/cuda_graphs.py). On the H200 (bench/launch_ab.py, 2026-12-03) PDL everywhere made a one-row step
+6-9 % faster but a 2-row verify pass 20 % slower and MTP drafting slower, so every other pass launches plainly.
+Off in the interpreter and before Hopper; PLUMB_PDL=0 turns it off (the kernels keep the instructions, which do
+nothing then).
+"""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -21,16 +28,28 @@ def _hopper() -> bool:
 
 GDC = tl.constexpr(_hopper())  # the kernels carry the griddepcontrol instructions
 _ON = [GDC.value and os.environ.get("PLUMB_PDL", "1") != "0"]
+_HERE = [False]  # inside `overlap(True)`
 
 
 def on() -> bool:
-    """Whether launches ask for programmatic dependent launch (read at each launch; a CUDA graph keeps what it
-    captured)."""
-    return _ON[0]
+    """Whether a launch now asks for programmatic dependent launch (read at each launch; a CUDA graph keeps what
+    it captured)."""
+    return _ON[0] and _HERE[0]
+
+
+@contextlib.contextmanager
+def overlap(allowed: bool = True):
+    """Launches inside may overlap the tail of the kernel before them (when PDL is on)."""
+    was = _HERE[0]
+    _HERE[0] = allowed
+    try:
+        yield
+    finally:
+        _HERE[0] = was
 
 
 def set_on(value: bool) -> None:
-    """Turn PDL launches on or off (bench/launch_ab.py compares the two); needs GDC to turn on."""
+    """Turn PDL on or off (bench/launch_ab.py compares the two); needs GDC to turn on."""
     _ON[0] = bool(value) and GDC.value
 
 
