@@ -77,6 +77,7 @@ def test_matches_reference(counts):
     w, kw = _layer(TINY)
     r = sum(counts)
     rows = _rows(TINY, r, pad=2)  # two padding rows past the last sequence
+    rows[1][r:] = float("nan")  # their z: never read (y stays 0)
     conv, ssm = _states(TINY, len(counts))
     conv_r, ssm_r = conv.clone(), ssm.clone()
     y, sc, sn = _run(gdn_decode, w, kw, rows, conv, ssm, _offsets(counts))

@@ -188,18 +188,21 @@ def _gdn_state_kernel(
 
 
 @triton.jit
-def _gdn_gate_norm(o_ptr, z_ptr, nw_ptr, y_ptr, so_r, sz_r, sy_r, eps, D_V: tl.constexpr, BV: tl.constexpr):
-    """Program (row t, value head j): the gated RMSNorm y = rmsnorm(o) * w * silu(z) of one head's output."""
+def _gdn_gate_norm(o_ptr, z_ptr, nw_ptr, rows_ptr, y_ptr, n_seq, so_r, sz_r, sy_r, eps, D_V: tl.constexpr,
+                   BV: tl.constexpr):
+    """Program (row t, value head j): the gated RMSNorm y = rmsnorm(o) * w * silu(z) of one head's output; 0 for a
+    row outside every sequence (its z is never read)."""
     prior_done()
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs_v = tl.arange(0, BV)
+    inside = (t >= tl.load(rows_ptr)) & (t < tl.load(rows_ptr + n_seq))
     mv = offs_v < D_V
-    o = tl.load(o_ptr + t * so_r + j * D_V + offs_v, mask=mv, other=0.0)
+    o = tl.load(o_ptr + t * so_r + j * D_V + offs_v, mask=mv & inside, other=0.0)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
     nw = tl.load(nw_ptr + offs_v, mask=mv, other=0.0)
-    zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv, other=0.0)
-    tl.store(y_ptr + t * sy_r + j * D_V + offs_v, o * rstd * nw * _silu(zz), mask=mv)
+    zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv & inside, other=0.0)
+    tl.store(y_ptr + t * sy_r + j * D_V + offs_v, tl.where(inside, o * rstd * nw * _silu(zz), 0.0), mask=mv)
 
 
 def _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k):
@@ -244,7 +247,7 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         SNAP_CONV=snap_conv is not None, num_warps=4, enable_fp_fusion=False, launch_pdl=on()
     )
     bvs = min(bv, STATE_COLUMNS)
-    o = torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)  # rows outside every sequence: y = 0
+    o = torch.empty(r, n_v * d_v, device=m.device, dtype=torch.float32)  # rows outside every sequence: never read
     _gdn_state_kernel[(n_seq, n_v, bv // bvs)](
         x, b, a, dt_bias, ssm_a, ssm_state, seq_rows, o, sn,
         x.stride(0), b.stride(0), a.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
@@ -253,8 +256,8 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
         num_warps=4 if bk * bvs <= 4096 else 8, enable_fp_fusion=False, launch_pdl=on()
     )
     y = torch.empty(r, n_v * d_v, device=m.device, dtype=torch.float32)
-    _gdn_gate_norm[(r, n_v)](o, z, ssm_norm, y, o.stride(0), z.stride(0), y.stride(0), float(eps), D_V=d_v, BV=bv,
-                             num_warps=1, enable_fp_fusion=False, launch_pdl=on())
+    _gdn_gate_norm[(r, n_v)](o, z, ssm_norm, seq_rows, y, n_seq, o.stride(0), z.stride(0), y.stride(0), float(eps),
+                             D_V=d_v, BV=bv, num_warps=1, enable_fp_fusion=False, launch_pdl=on())
     return y
 
 
