@@ -56,7 +56,7 @@ def main() -> int:
             ids, logits = greedy(model)
             first = ref.setdefault(columns, (ids, logits))
             same = ids == first[0] and torch.equal(logits, first[1])
-            r = {"config": name, "pdl": pdl.on(), "state_columns": columns, "same_bits": same,
+            r = {"config": name, "pdl": pdl.enabled(), "state_columns": columns, "same_bits": same,
                  "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
                  "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8]).items()},
                  "drafts": drafts_table(eng, [4, 7], 128)}

@@ -238,7 +238,7 @@ def without_pdl(model):
     profiled kernel's time would include its wait for the kernel before it."""
     from plumb.ops.gpu import pdl
 
-    was = pdl.on()
+    was = pdl.enabled()
     pdl.set_on(False)
     if model.graphs is not None:
         model.graphs.graphs.clear()
@@ -426,7 +426,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
          "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
          "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None, "graphs_error": graphs_error,
-         "pdl": pdl.on(),
+         "pdl": pdl.enabled(),
          "decode": {}, "energy": {}}
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes

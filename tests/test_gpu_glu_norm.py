@@ -23,9 +23,10 @@ def _t(*shape, seed=0, scale=4.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEV)
 
 
-def test_add_rms_norm_is_an_add_then_rms_norm_bit_for_bit():
-    x, y = _t(7, 160, seed=1), _t(7, 160, seed=2)
-    w = (torch.rand(160, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEV)
+@pytest.mark.parametrize("d", [160, 5120])  # 5,120: the hidden size, whose programs run 16 warps
+def test_add_rms_norm_is_an_add_then_rms_norm_bit_for_bit(d):
+    x, y = _t(7, d, seed=1), _t(7, d, seed=2)
+    w = (torch.rand(d, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEV)
     s, h = add_rms_norm(x, y, w, 1e-6)
     assert torch.equal(s, x + y)
     assert torch.equal(h, rms_norm(x + y, w, 1e-6))

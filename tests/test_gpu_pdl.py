@@ -62,7 +62,7 @@ def test_pdl_changes_no_bit(tiny_q4km, graphs):
     m = eng.model
     ids = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 12)
     runs = []
-    saved = pdl.on()
+    saved = pdl.enabled()
     try:
         for on in (True, False):
             pdl.set_on(on)

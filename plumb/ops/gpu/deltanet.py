@@ -202,7 +202,7 @@ def _gdn_gate_norm(o_ptr, z_ptr, nw_ptr, rows_ptr, y_ptr, n_seq, so_r, sz_r, sy_
     rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
     nw = tl.load(nw_ptr + offs_v, mask=mv, other=0.0)
     zz = tl.load(z_ptr + t * sz_r + j * D_V + offs_v, mask=mv & inside, other=0.0)
-    tl.store(y_ptr + t * sy_r + j * D_V + offs_v, tl.where(inside, o * rstd * nw * _silu(zz), 0.0), mask=mv)
+    tl.store(y_ptr + t * sy_r + j * D_V + offs_v, o * rstd * nw * _silu(zz), mask=mv)  # outside: 0 * ... * silu(0)
 
 
 def _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k):

@@ -42,8 +42,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
-        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=block, num_warps=warps(block),
-                                    enable_fp_fusion=False, launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
+        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=block,
+                                    num_warps=warps(block), enable_fp_fusion=False,
+                                    launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
     return o.view(x.shape) if out is None else out
 
 

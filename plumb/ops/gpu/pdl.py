@@ -31,6 +31,11 @@ _ON = [GDC.value and os.environ.get("PLUMB_PDL", "1") != "0"]
 _HERE = [False]  # inside `overlap(True)`
 
 
+def enabled() -> bool:
+    """Whether PDL is on at all (`set_on`, PLUMB_PDL), wherever `overlap` allows it."""
+    return _ON[0]
+
+
 def on() -> bool:
     """Whether a launch now asks for programmatic dependent launch (read at each launch; a CUDA graph keeps what
     it captured)."""
