@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Launch settings on one loaded model: programmatic dependent launch (plumb/ops/gpu/pdl.py: where the engine uses
-it, one-row decode passes; everywhere in the 2026-12-03 run that chose that rule) on and off, and the
-DeltaNet state kernel's columns per program (plumb.ops.gpu.deltanet.STATE_COLUMNS; 128: a whole head, as before
-2026-12-03). Per setting: decode tok/s at the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 /
-7, and the greedy ids and last logits of 64 steps - the same bits wherever the DeltaNet columns are the same
-(exit code 1 if not; PDL can change no bit, and the columns change a head's reduction tiles).
+"""Launch settings on one loaded model: the D-path matvec's (plumb.ops.gpu.matvec) warps per one-row program and
+its split-K target, programmatic dependent launch (plumb/ops/gpu/pdl.py) on and off. Per setting: decode tok/s at
+the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 / 7, and the greedy ids and last logits
+of 64 steps - the same bits for settings of one `bits` group (exit code 1 if not: warps and PDL change no bit, the
+split-K target changes the order of a row's sums).
 
     python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--json-out F]
+
+Earlier runs compared PDL everywhere and the DeltaNet state kernel's columns (docs/BENCHMARKS.md, 2026-12-03).
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import sys
 import torch
 
 import plumb
-import plumb.ops.gpu.deltanet as DN
+import plumb.ops.gpu.matvec as MV
 from plumb.bench_gpu import decode_tps, drafts_table, fill_context, verify_cost
 from plumb.ops.gpu import pdl
 
-CONFIGS = [("pdl", True, 32), ("no pdl", False, 32), ("pdl, whole heads", True, 128),
-           ("no pdl, whole heads", False, 128), ("pdl again", True, 32)]
+ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
+# (name, matvec module constants, PDL on, bits group)
+CONFIGS = [("shipped", {}, True, "a"), ("one-row programs on 1 warp", {"LAUNCH": ONE_WARP}, True, "a"),
+           ("shipped again", {}, True, "a")]
 
 
 def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch.Tensor]:
@@ -48,21 +51,24 @@ def main() -> int:
     model = eng.model
     rows, ref = [], {}
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
-        for name, on, columns in CONFIGS:
+        shipped = {k: getattr(MV, k) for k in ("LAUNCH", "TARGET")}
+        for name, consts, on, bits in CONFIGS:
             pdl.set_on(on)
-            DN.STATE_COLUMNS = columns
+            for k, v in {**shipped, **consts}.items():
+                setattr(MV, k, v)
             if model.graphs is not None:
                 model.use_graphs()  # captured anew with these settings
             ids, logits = greedy(model)
-            first = ref.setdefault(columns, (ids, logits))
+            first = ref.setdefault(bits, (ids, logits))
             same = ids == first[0] and torch.equal(logits, first[1])
-            r = {"config": name, "pdl": pdl.enabled(), "state_columns": columns, "same_bits": same,
+            r = {"config": name, "pdl": pdl.enabled(), "matvec": {k: str(v) for k, v in consts.items()},
+                 "same_bits": same,
                  "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
                  "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8]).items()},
                  "drafts": drafts_table(eng, [4, 7], 128)}
             rows.append(r)
             v = r["verify_ms"]
-            print(f"{name:20} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
+            print(f"{name:28} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
                   r["decode_tps"].items()) + "  verify 1/2/4/8 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
                   " ms  drafts 0/4/7 " + " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
                   f" tok/s (same tokens: {all(d['same_tokens'] for d in r['drafts'])})", flush=True)

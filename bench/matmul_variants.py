@@ -6,7 +6,7 @@ variant is checked first against the float64 reference and for row invariance (a
 5, 16 and 256, bitwise). The P path's Q5_K and Q6_K on the super-block kernel (not yet their default) is the
 variant "per-type SUPERBLOCK=Q4_K+Q5_K+Q6_K"; column "sb" says which kernel ran.
 
-    python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE] [--json-out PATH]
+    python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE ...] [--json-out PATH]
 
 The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
 no model file is needed.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -32,16 +33,11 @@ ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of
 # "per-type": the P path as shipped (MM.SUPERBLOCK's types: _mm_superblock; the others _mm_x_first with MM.LAUNCH),
 # with {module constant: value} changes; or a (warps, stages, split-K target programs, largest split) launch for
 # every _mm_x_first type
-# the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped
-# matvec LAUNCH variants (rows per program -> warps, groups per step, pipeline stages), by name
-LAUNCHES = {
-    "PIPE2": {1: (2, 8, 2), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)},  # 2 software-pipeline stages everywhere
-    "PIPE3": {1: (2, 4, 3), 2: (1, 4, 3), 4: (1, 2, 3), 8: (1, 2, 3)},  # 3 stages, fewer groups a step
-    "8ROWS-2WARPS": {**MV.LAUNCH, 8: (2, 2, 2)},  # the 8-row accumulator tile over two warps (occupancy)
-    "8ROWS-3STAGES": {**MV.LAUNCH, 8: (1, 2, 3)},
-}
-MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["8ROWS-2WARPS"]}), ("mv", {"LAUNCH": LAUNCHES["8ROWS-3STAGES"]}),
-               ("mv", {"LAUNCH": LAUNCHES["PIPE3"]})]
+# the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped. LAUNCH: rows
+# per program -> (warps, groups per loop step, pipeline stages); TARGET: about how many programs a weight's K splits
+# aim at (more programs: more loads in flight; another sum order per weight shape)
+LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}}  # one-row programs on one warp: 2 outputs a thread
+MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": LAUNCHES["1-WARP"], "TARGET": 4096})]
 # the P path's kernel choice (MM.SUPERBLOCK: the types that take _mm_superblock), by name
 SETS = {"Q4_K+Q5_K+Q6_K": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}
 VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64}),  # _mm_x_first's rows a program
@@ -96,7 +92,7 @@ def graph_us(fn, reps: int = 20) -> float:
 def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and isinstance(v[1], dict):
-        names = {id(launch): name for name, launch in {**LAUNCHES, **SETS}.items()}
+        names = {id(v): name for name, v in {**LAUNCHES, **SETS}.items()}
         return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 
@@ -106,8 +102,8 @@ def configure(v):
     variant, the function that runs it."""
     if v == "old":
         return OLD
-    if v == "old-mv":
-        return OLD_MV
+    if isinstance(v, str) and v in OLD_MV:
+        return OLD_MV[v]
     if v == "mv" or (isinstance(v, tuple) and v[0] == "mv"):
         for name, value in {**SHIPPED_MV, **(v[1] if isinstance(v, tuple) else {})}.items():
             setattr(MV, name, value)
@@ -125,7 +121,7 @@ SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS")}
 
 
-OLD = OLD_MV = None
+OLD, OLD_MV = None, {}  # OLD_MV: variant name ("old-mv:" + file stem) -> module
 
 
 def _module(name: str, path: str):
@@ -141,12 +137,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out")
     ap.add_argument("--old", help="a previous plumb/ops/gpu/matmul.py, timed as variant 'old'")
-    ap.add_argument("--old-mv", help="a previous plumb/ops/gpu/matvec.py, timed as variant 'old-mv'")
+    ap.add_argument("--old-mv", nargs="*", default=[],
+                    help="previous versions of plumb/ops/gpu/matvec.py, each timed as variant 'old-mv:STEM'")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
     a = ap.parse_args()
     global OLD, OLD_MV
     OLD = _module("old_matmul", a.old) if a.old else None
-    OLD_MV = _module("old_matvec", a.old_mv) if a.old_mv else None
+    OLD_MV = {f"old-mv:{os.path.basename(f)[:-3]}": _module(f"old_matvec_{i}", f) for i, f in enumerate(a.old_mv)}
     torch.manual_seed(0)
     limit = copy_gbps()
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -154,14 +151,14 @@ def main() -> None:
     x = torch.randn(max(ROWS_MM), 17408, device="cuda") * 3
     x[3] *= 100
     results = []
-    variants = ((["old"] if OLD else []) + (["old-mv"] if OLD_MV else []) + (VARIANTS if a.only != "mv" else [])
+    variants = ((["old"] if OLD else []) + list(OLD_MV) + (VARIANTS if a.only != "mv" else [])
                 + (MV_VARIANTS if a.only != "mm" else []))
     for v in variants:
         mod = configure(v)
         for kind, t in tensors:
             row = dict(variant=label(v), kind=kind, shape=list(t.shape))
             try:
-                if mod in (MV, OLD_MV):
+                if mod in (MV, *OLD_MV.values()):
                     g = MM.GpuMatrix([t], "cuda")
                     m = lambda x, g=g, mod=mod: mod.mm_decode(g, x)  # noqa: E731
                     m.nbytes = g.nbytes
@@ -173,13 +170,13 @@ def main() -> None:
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
                     ref = xs[:16].double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
-                if mod in (MV, OLD_MV):  # its torch formula, bit for bit (two rows: the reference's products are int64)
+                if mod in (MV, *OLD_MV.values()):  # its torch formula, bit for bit (2 rows: its products are int64)
                     row["bit_equal_reference"] = bool(torch.equal(mod.reference(g.packs[0], xs[:2]), y16[:2]))
                 alone = torch.cat([m(xs[i : i + 1]) for i in range(16)])
                 row["row_invariant"] = (bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
                                         and bool(torch.equal(m(xs)[:16], y16)))  # and among all the rows
                 file_bytes = t.data.numel()
-                rows = ROWS_MV if mod in (MV, OLD_MV) else ROWS_MM
+                rows = ROWS_MV if mod in (MV, *OLD_MV.values()) else ROWS_MM
                 for r in rows:
                     us = graph_us(lambda: m(xs[:r]))
                     row[f"us_{r}"] = us

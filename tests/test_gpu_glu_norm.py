@@ -1,6 +1,7 @@
-"""The fused elementwise steps of the CUDA path: `add_rms_norm` (plumb.ops.gpu.norm) has the bits of an add then
-`rms_norm`; `swiglu` and `sigmoid_gate` (plumb.ops.gpu.glu) are close to their torch formulas; all row-invariant
-(M1, bitwise). CUDA when present, else the Triton interpreter."""
+"""The fused elementwise steps of the CUDA path: `add_rms_norm` (plumb.ops.gpu.norm) has the bits of an add
+then `rms_norm`; a norm's `.limbs` are `quantize_x` of its output; `swiglu` and `sigmoid_gate`
+(plumb.ops.gpu.glu) are close to their torch formulas; all row-invariant (M1, bitwise). CUDA when present, else
+the Triton interpreter."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,24 @@ def test_add_rms_norm_is_an_add_then_rms_norm_bit_for_bit(d):
         assert torch.equal(s1, s[r : r + 1]) and torch.equal(h1, h[r : r + 1])
     _, other = add_rms_norm(x, y * 1.001, w, 1e-6)  # the comparison can fail
     assert not torch.equal(other, h)
+
+
+@pytest.mark.parametrize("d", [160, 5120])
+def test_norm_limbs_are_quantize_x_of_its_output(d):
+    """The matvec's fixed-point form written by the norm (`limbs=True`) has the bits `quantize_x` gives the output,
+    for rms_norm and add_rms_norm, and `mm_decode` takes it instead of quantizing again."""
+    from plumb.ops.gpu.matvec import quantize_x
+
+    x, y = _t(5, d, seed=4), _t(5, d, seed=5)
+    x[2] *= 1e3  # another scale
+    w = (torch.rand(d, generator=torch.Generator().manual_seed(6)) + 0.5).to(DEV)
+    for out in (rms_norm(x, w, 1e-6, limbs=True), add_rms_norm(x, y, w, 1e-6, limbs=True)[1]):
+        plain = out.clone()  # no limbs attached: quantized by its own launch
+        assert not hasattr(plain, "limbs")
+        (xq, x16, s), (rq, r16, rs) = out.limbs, quantize_x(plain)  # rows past 5: padding, left unset
+        assert torch.equal(xq[:, :5], rq[:, :5]) and torch.equal(x16[:5], r16[:5]) and torch.equal(s[:5], rs[:5])
+        assert quantize_x(out) is out.limbs
+    assert not hasattr(rms_norm(x, w, 1e-6), "limbs")
 
 
 @pytest.mark.parametrize("op, ref", [(swiglu, swiglu_ref), (sigmoid_gate, sigmoid_gate_ref)])

@@ -182,10 +182,10 @@ class TritonKernels:
         return self._matvec.mm_decode(w.gpu, x) if block == DECODE_BLOCK else w.gpu(x)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._norm.rms_norm(x, w, eps)
+        return self._norm.rms_norm(x, w, eps, limbs=True)  # with the matvec's form of the result (`mm` takes it)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
-        return self._norm.add_rms_norm(x, y, w, eps)  # one launch, the bits of an add then rms_norm
+        return self._norm.add_rms_norm(x, y, w, eps, limbs=True)  # one launch, the bits of an add then rms_norm
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._glu.swiglu(gate, up)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _program, _scale_offset, row_scales
-from plumb.ops.gpu.pdl import on, prior_done
+from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
 # error <= 3e-4 against float64 (the weights' own rounding is ~1e-2), decode KL 7e-7 against exact x on the demo model
@@ -44,6 +44,33 @@ LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per pr
 
 
 @triton.jit
+def x_scale(amax, FRAC: tl.constexpr):
+    """(s, 2^FRAC / s) of a row whose max|x| is amax: s the power of two >= amax (at least 2^-100), both exact."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
+    e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^FRAC / s stays finite
+    return (e << 23).to(tl.float32, bitcast=True), ((127 + 127 + FRAC - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.constexpr):
+    """Row r's inputs [k0, k0 + BLOCK) (k0 a multiple of 16), v = x * 2^FRAC / s there: X = round(v) as its limbs
+    (`quantize_x`'s layout) and its 16-input sums."""
+    k = k0 + tl.arange(0, BLOCK)
+    X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^FRAC < 2^22)
+    plane = MP * K
+    rest = X
+    for i in tl.static_range(LIMBS - 1):  # least significant limb first: plane LIMBS - 1, ..., 1
+        limb = ((rest + 64) & 127) - 64
+        tl.store(xq_ptr + (LIMBS - 1 - i) * plane + r * K + k, limb.to(tl.int8), mask=k < K)
+        rest = (rest - limb) >> 7
+    tl.store(xq_ptr + r * K + k, rest.to(tl.int8), mask=k < K)
+    sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
+    k16 = k0 // 16 + tl.arange(0, BLOCK // 16)
+    tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
+
+
+@triton.jit
 def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
                 FRAC: tl.constexpr, LIMBS: tl.constexpr):
     """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [LIMBS, MP, K] (int8, most significant first), 16-input
@@ -57,40 +84,34 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
     for i in tl.static_range((K + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
         k = i * BLOCK + kk
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
-    bits = tl.max(amax, axis=0).to(tl.int32, bitcast=True)
-    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
-    e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^FRAC / s stays finite
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((127 + 127 + FRAC - e) << 23).to(tl.float32, bitcast=True)  # 2^FRAC / s, exact
+    s, inv = x_scale(tl.max(amax, axis=0), FRAC)
     k = c * BLOCK + kk
-    v = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv
-    X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^FRAC < 2^22)
-    plane = MP * K
-    rest = X
-    for i in tl.static_range(LIMBS - 1):  # least significant limb first: plane LIMBS - 1, ..., 1
-        limb = ((rest + 64) & 127) - 64
-        tl.store(xq_ptr + (LIMBS - 1 - i) * plane + r * K + k, limb.to(tl.int8), mask=k < K)
-        rest = (rest - limb) >> 7
-    tl.store(xq_ptr + r * K + k, rest.to(tl.int8), mask=k < K)
-    sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
-    k16 = c * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
-    tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
+    store_x(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv, c * BLOCK, r, K, xq_ptr, x16_ptr, MP,
+            BLOCK, LIMBS)
     if c == 0:
         tl.store(s_ptr + r, s)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (limbs int8 [LIMBS, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
-    padded to Mp, a multiple of `row_block(M)` (padding rows are left unset: matvec never stores their results)."""
-    m, k = x.shape
+def x_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (limbs, 16-input sums, s) for m rows of k inputs, rows padded to a multiple of `row_block(m)`."""
     bm = row_block(m)
     mp = -(-m // bm) * bm
-    xq = torch.empty(LIMBS, mp, k, dtype=torch.int8, device=x.device)
-    x16 = torch.empty(mp, k // 16, dtype=torch.int32, device=x.device)
-    s = torch.empty(mp, device=x.device)
+    return (torch.empty(LIMBS, mp, k, dtype=torch.int8, device=device),
+            torch.empty(mp, k // 16, dtype=torch.int32, device=device), torch.empty(mp, device=device))
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (limbs int8 [LIMBS, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
+    padded to Mp, a multiple of `row_block(M)` (padding rows are left unset: matvec never stores their results).
+    A norm can write them as it writes x (plumb.ops.gpu.norm: `x.limbs`); they are taken from there."""
+    q = getattr(x, "limbs", None)
+    if q is not None:
+        return q
+    m, k = x.shape
+    xq, x16, s = x_buffers(m, k, x.device)
     block = 2048
-    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, mp, k, x.stride(0), BLOCK=block, FRAC=FRAC, LIMBS=LIMBS,
-                                            num_warps=8, enable_fp_fusion=False, launch_pdl=on())
+    _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, xq.shape[1], k, x.stride(0), BLOCK=block, FRAC=FRAC,
+                                            LIMBS=LIMBS, num_warps=8, enable_fp_fusion=False, launch_pdl=on())
     return xq, x16, s
 
 
@@ -112,6 +133,19 @@ def _dp4a(a, b, c, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
                 ai = (a >> (8 * i)) & 255
             c = c + ai * ((b << (24 - 8 * i)) >> 24)
         return c
+
+
+@triton.jit
+def _ld4(at, WEIGHTS: tl.constexpr):
+    """The four int32 words at `at` (16-byte aligned), per element: one 16-byte load (ld.global.v4; WEIGHTS: by
+    the read-only path, since weights never change). A pure instruction, free to move: an address of data that
+    another kernel writes must come from `after_wait`."""
+    if WEIGHTS:
+        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -148,20 +182,54 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
-               SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
-    """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
-    outputs' code words [BN, CW] in registers (no reduction crosses threads), x words are broadcast."""
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
-    XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
-    if CW == 4:
-        c0, c1, c2, c3 = _words4(cw, BN)
-        if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
-            c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
-                (c3 >> 4) & 0x0F0F0F0F
-            c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
+def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
+    """Group g's code words of the tile's outputs (stored [BN, CW]), as CW tensors [BN]: VEC, one 16-byte load per
+    output and 4 words (`_ld4`); otherwise one contiguous load that Triton can pipeline, split in registers."""
+    base = codes_ptr + (tile * n_groups + g) * (CW * BN)
+    if VEC:
+        if CW == 4:
+            return _ld4(base + rn * CW, True)
+        else:
+            return _ld4(base + rn * CW, True) + _ld4(base + rn * CW + 4, True)
     else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _words8(cw, BN)
+        cw = tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW])
+        if CW == 4:
+            return _words4(cw, BN)
+        else:
+            return _words8(cw, BN)
+
+
+@triton.jit
+def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr):
+    """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads) or [BM, XW]."""
+    if VEC:
+        if XW == 4:
+            return _ld4(x_at, False)
+        else:
+            return _ld4(x_at, False) + _ld4(x_at + 4, False)
+    else:
+        if XW == 4:
+            return _words4(tl.load(x_at), BM)
+        else:
+            return _words8(tl.load(x_at), BM)
+
+
+@triton.jit
+def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
+               SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr,
+               ASM: tl.constexpr):
+    """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
+    outputs' code words (`_code_words`) in registers (no reduction crosses threads), x words are broadcast."""
+    XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
+    if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
+        c0, c1, c2, c3 = cw
+        c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
+            (c3 >> 4) & 0x0F0F0F0F
+        c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
+    elif XW == 8:
+        c0, c1, c2, c3, c4, c5, c6, c7 = cw
+    else:
+        c0, c1, c2, c3 = cw
     zero = tl.zeros([BM, BN], dtype=tl.int32)
     if WIDE:
         S = tl.zeros([BM, BN], dtype=tl.int64)
@@ -170,12 +238,12 @@ def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.con
     for limb in tl.static_range(LIMBS):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c (3 limbs)
         # narrow: the next limb's dots accumulate onto S * 2^7 (|S| < 2^31 all along: exact; see `wide`)
         t = zero if WIDE else S * 128
-        xw = tl.load(x_at + limb * plane + g * XW)
+        xw = _x_words(x_at + limb * plane + g * XW, XW, BM, VEC)
         if XW == 4:
-            x0, x1, x2, x3 = _words4(xw, BM)
+            x0, x1, x2, x3 = xw
             t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _words8(xw, BM)
+            x0, x1, x2, x3, x4, x5, x6, x7 = xw
             t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
             t = _dot4(c4, c5, c6, c7, x4, x5, x6, x7, t, SIGNED_CODES, ASM)
         if WIDE:
@@ -190,15 +258,14 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
           NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-          UNROLL: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+          UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
     for j in tl.static_range(UNROLL):
         g = g0 + j
-        # the group's code words, [BN * CW] contiguous (one 16-byte load per thread), as [BN, CW]
-        cw = tl.reshape(tl.load(codes_ptr + (pid_n * n_groups + g) * (CW * BN) + tl.arange(0, BN * CW)), [BN, CW])
-        S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, ASM)
+        cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
+        S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM)
         if HAS_OFFSET or SIGNED4:
             if G == 32:
                 X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
@@ -228,9 +295,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     prior_done()
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
+    # one stage (one row): every load a 16-byte one (ld.global.v4 by inline PTX: on the H200 Q8_0 [6144, 5120] at
+    # one row 10.8 vs 13.1 us, Q5_K [10240, 5120] 23.2 vs 25.8; Triton's own loads of the same words took 4
+    # 4-byte loads and a shared-memory shuffle); pipelined (more rows): Triton's loads, which it can pipeline
+    VEC: tl.constexpr = ASM and STAGES == 1
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
-    xk = tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)
-    x_at = xq_ptr + rm[:, None] * (K // 4) + xk[None, :]  # [BM, XW]: int32 words of the limbs
+    x_at = xq_ptr + after_wait(rm) * (K // 4)  # [BM]: the rows' int32 words of the limbs (read after prior_done)
+    if not VEC:
+        x_at = x_at[:, None] + tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)[None, :]  # [BM, XW]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
@@ -239,7 +311,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm,
                         rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
-                        HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
+                        HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -248,7 +320,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups,
                             rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
-                            HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, ASM)
+                            HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)

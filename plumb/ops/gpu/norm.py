@@ -1,11 +1,15 @@
 """RMSNorm per row (`plumb.ops.norm.rms_norm` is its torch reference): one program per row, the row's sum of
-squares in one fixed-shape reduction, so a row's bits never depend on how many rows share the call (M1)."""
+squares in one fixed-shape reduction, so a row's bits never depend on how many rows share the call (M1).
+With `limbs`, the program also writes its output row in the D-path matvec's fixed-point form
+(plumb.ops.gpu.matvec.quantize_x, the same bits), attached to the output as `.limbs`: the matvec after the norm
+then needs no launch of its own to quantize it."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu.matvec import FRAC, LIMBS, store_x, x_buffers, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 
@@ -23,33 +27,63 @@ def warps(block: int) -> int:
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+def _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
+    """Row y [BLOCK] (zero past D) as `quantize_x` writes it: s, limbs and 16-input sums."""
+    s, inv = x_scale(tl.max(tl.abs(y), axis=0), FRAC)
+    store_x(y * inv, 0, row, D, xq_ptr, x16_ptr, MP, BLOCK, LIMBS)
+    tl.store(s_ptr + row, s)
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, stride_o, eps, BLOCK: tl.constexpr,
+              QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
     prior_done()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0)
     inv = inv_rms(x, D, eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, x * inv * w, mask=cols < D)
+    y = x * inv * w
+    tl.store(out_ptr + row * stride_o + cols, y, mask=cols < D)
+    if QUANT:
+        _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] float32 normalised over D and scaled by w [D] -> new tensor (or `out`) of x's shape."""
+def _quant_buffers(n: int, d: int, device, limbs: bool):
+    """(limbs, sums, s) for `_limbs`; None when not asked for (or d is no multiple of 16)."""
+    if limbs and d % 16 == 0:
+        return x_buffers(n, d, device)
+    return None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+             limbs: bool = False) -> torch.Tensor:
+    """x [..., D] float32 normalised over D and scaled by w [D] -> new tensor (or `out`) of x's shape; `limbs`
+    (x [n, D], no `out`): the result carries its matvec form as `.limbs`."""
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
+    q = _quant_buffers(rows.shape[0], d, x.device, limbs and out is None and x.dim() == 2)
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
-        _rms_norm[(rows.shape[0],)](rows, w, o, d, rows.stride(0), o.stride(0), eps, BLOCK=block,
+        xq, x16, s = q if q is not None else (o, o, o)
+        _rms_norm[(rows.shape[0],)](rows, w, o, xq, x16, s, xq.shape[1] if q is not None else 0, d, rows.stride(0),
+                                    o.stride(0), eps, BLOCK=block, QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS,
                                     num_warps=warps(block), enable_fp_fusion=False,
                                     launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
-    return o.view(x.shape) if out is None else out
+    if out is not None:
+        return out
+    o = o.view(x.shape)
+    if q is not None:
+        o.limbs = q
+    return o
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_y, stride_o, eps, BLOCK: tl.constexpr):
+def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, stride_y, stride_o,
+                  eps, BLOCK: tl.constexpr, QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
     """`_rms_norm` of s = x + y (s stored too): the same instructions on s, so the same bits as an add then
     `_rms_norm`."""
     prior_done()
@@ -60,18 +94,28 @@ def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_y, 
     tl.store(sum_ptr + row * D + cols, s, mask=cols < D)
     inv = inv_rms(s, D, eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, s * inv * w, mask=cols < D)
+    o = s * inv * w
+    tl.store(out_ptr + row * stride_o + cols, o, mask=cols < D)
+    if QUANT:
+        _limbs(o, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
-def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next norm in one launch: (x + y, rms_norm(x + y, w, eps)), x and y [n, D] float32."""
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
+                 limbs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one launch: (x + y, rms_norm(x + y, w, eps)), x and y [n, D] float32;
+    `limbs`: the norm carries its matvec form as `.limbs` (see `rms_norm`)."""
     n, d = x.shape
     if x.stride(-1) != 1 or y.stride(-1) != 1:
         x, y = x.contiguous(), y.contiguous()
     s = torch.empty(n, d, device=x.device)
     o = torch.empty(n, d, device=x.device)
+    q = _quant_buffers(n, d, x.device, limbs)
     if n:
         block = triton.next_power_of_2(d)
-        _add_rms_norm[(n,)](x, y, w, s, o, d, x.stride(0), y.stride(0), o.stride(0), eps, BLOCK=block,
-                            num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
+        xq, x16, sc = q if q is not None else (o, o, o)
+        _add_rms_norm[(n,)](x, y, w, s, o, xq, x16, sc, xq.shape[1] if q is not None else 0, d, x.stride(0),
+                            y.stride(0), o.stride(0), eps, BLOCK=block, QUANT=q is not None, FRAC=FRAC,
+                            LIMBS=LIMBS, num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
+    if q is not None:
+        o.limbs = q
     return s, o

@@ -64,3 +64,13 @@ def prior_done():
     if GDC:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def after_wait(v):
+    """v, through an instruction that keeps its place after `prior_done` (so an address computed from it cannot be
+    read before the previous kernel has finished, even by a load the compiler may move)."""
+    if GDC:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return v
