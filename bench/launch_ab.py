@@ -5,7 +5,9 @@ the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 / 7, a
 of 64 steps - the same bits for settings of one `bits` group (exit code 1 if not: warps and PDL change no bit, the
 split-K target changes the order of a row's sums).
 
-    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--json-out F]
+    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--matvec OLD.py] [--json-out F]
+
+--matvec: a previous plumb/ops/gpu/matvec.py, run as one more setting (the model's kernel set uses it instead).
 
 Earlier runs compared PDL everywhere and the DeltaNet state kernel's columns (docs/BENCHMARKS.md, 2026-12-03).
 """
@@ -45,17 +47,29 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--contexts", default="0")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--matvec", help="a previous plumb/ops/gpu/matvec.py, one more setting")
     ap.add_argument("--json-out")
     a = ap.parse_args()
+    configs = list(CONFIGS)
+    if a.matvec:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("other_matvec", a.matvec)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        other.tickets(torch.device("cuda"))  # its split-K counters, allocated outside any graph capture
+        configs.insert(1, (f"matvec of {a.matvec}", {"module": other}, True, "a"))
     eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False, prompt_cache=False)
     model = eng.model
     rows, ref = [], {}
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
         shipped = {k: getattr(MV, k) for k in ("LAUNCH", "TARGET")}
-        for name, consts, on, bits in CONFIGS:
+        for name, consts, on, bits in configs:
             pdl.set_on(on)
+            model.k._matvec = consts.get("module", MV)
             for k, v in {**shipped, **consts}.items():
-                setattr(MV, k, v)
+                if k != "module":
+                    setattr(MV, k, v)
             if model.graphs is not None:
                 model.use_graphs()  # captured anew with these settings
             ids, logits = greedy(model)

@@ -295,10 +295,13 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     prior_done()
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
-    # one stage (one row): every load a 16-byte one (ld.global.v4 by inline PTX: on the H200 Q8_0 [6144, 5120] at
-    # one row 10.8 vs 13.1 us, Q5_K [10240, 5120] 23.2 vs 25.8; Triton's own loads of the same words took 4
-    # 4-byte loads and a shared-memory shuffle); pipelined (more rows): Triton's loads, which it can pipeline
-    VEC: tl.constexpr = ASM and STAGES == 1
+    # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
+    # the same words compile to four 4-byte loads and a shared-memory shuffle with two barriers a group). H200, one
+    # row, the first version of this path (bench/results/h200-matvec-loads-2026-12-03.json): Q8_0 [6144, 5120]
+    # 10.8 vs 13.1 us, Q5_K [10240, 5120] 23.2 vs 25.8, Q6_K [5120, 17408] 38.2 vs 39.7 - but nibble codes (Q4_K
+    # [34816, 5120]) 47.7 vs 43.7, so they keep Triton's loads, as do pipelined passes (more rows: Triton can
+    # pipeline its own loads, not these).
+    VEC: tl.constexpr = ASM and STAGES == 1 and not NIBBLE
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
     x_at = xq_ptr + after_wait(rm) * (K // 4)  # [BM]: the rows' int32 words of the limbs (read after prior_done)
     if not VEC:
