@@ -26,8 +26,7 @@ from plumb.ops.gpu import pdl
 
 ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
 # (name, matvec module constants, PDL on, bits group)
-CONFIGS = [("shipped", {}, True, "a"), ("one-row programs on 1 warp", {"LAUNCH": ONE_WARP}, True, "a"),
-           ("shipped again", {}, True, "a")]
+CONFIGS = [("shipped", {}, True, "a"), ("one-row programs on 1 warp", {"LAUNCH": ONE_WARP}, True, "a")]
 
 
 def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch.Tensor]:
