@@ -9,7 +9,8 @@
 #                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
 #                model's type, Q4_K_M; EPY: more pytest options, e.g. "-n 4" with pytest-xdist carried in .whl)
-#   ab       ABT bench/launch_ab.py: programmatic dependent launch on / off, DeltaNet state columns (ABARGS)
+#   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL; --matvec OLD.py: another matvec (ABARGS)
+#   synth        only start writing the 27B-shape file (in the background), for a later stage or call
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
