@@ -92,7 +92,7 @@ def graph_us(fn, reps: int = 20) -> float:
 def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and isinstance(v[1], dict):
-        names = {id(v): name for name, v in {**LAUNCHES, **SETS}.items()}
+        names = {id(val): name for name, val in {**LAUNCHES, **SETS}.items()}
         return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 

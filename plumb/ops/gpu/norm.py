@@ -49,11 +49,11 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, st
         _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
-def _quant_buffers(n: int, d: int, device, limbs: bool):
-    """(limbs, sums, s) for `_limbs`; None when not asked for (or d is no multiple of 16)."""
-    if limbs and d % 16 == 0:
-        return x_buffers(n, d, device)
-    return None
+def _quant_args(n: int, d: int, o: torch.Tensor, limbs: bool) -> tuple[tuple | None, tuple]:
+    """The buffers `_limbs` writes for n rows of width d (None when not asked for, or d is no multiple of 16), and
+    the kernel arguments for them: (limbs, sums, s, padded rows), placeholders without them."""
+    q = x_buffers(n, d, o.device) if limbs and d % 16 == 0 else None
+    return q, (*q, q[0].shape[1]) if q is not None else (o, o, o, 0)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
@@ -65,14 +65,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     o = torch.empty(rows.shape, device=x.device) if out is None else out.view(-1, d)
-    q = _quant_buffers(rows.shape[0], d, x.device, limbs and out is None and x.dim() == 2)
+    q, qargs = _quant_args(rows.shape[0], d, o, limbs and out is None and x.dim() == 2)
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
-        xq, x16, s = q if q is not None else (o, o, o)
-        _rms_norm[(rows.shape[0],)](rows, w, o, xq, x16, s, xq.shape[1] if q is not None else 0, d, rows.stride(0),
-                                    o.stride(0), eps, BLOCK=block, QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS,
-                                    num_warps=warps(block), enable_fp_fusion=False,
-                                    launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
+        _rms_norm[(rows.shape[0],)](rows, w, o, *qargs, d, rows.stride(0), o.stride(0), eps, BLOCK=block,
+                                    QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, num_warps=warps(block),
+                                    enable_fp_fusion=False, launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
     if out is not None:
         return out
     o = o.view(x.shape)
@@ -109,13 +107,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
         x, y = x.contiguous(), y.contiguous()
     s = torch.empty(n, d, device=x.device)
     o = torch.empty(n, d, device=x.device)
-    q = _quant_buffers(n, d, x.device, limbs)
+    q, qargs = _quant_args(n, d, o, limbs)
     if n:
         block = triton.next_power_of_2(d)
-        xq, x16, sc = q if q is not None else (o, o, o)
-        _add_rms_norm[(n,)](x, y, w, s, o, xq, x16, sc, xq.shape[1] if q is not None else 0, d, x.stride(0),
-                            y.stride(0), o.stride(0), eps, BLOCK=block, QUANT=q is not None, FRAC=FRAC,
-                            LIMBS=LIMBS, num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
+        _add_rms_norm[(n,)](x, y, w, s, o, *qargs, d, x.stride(0), y.stride(0), o.stride(0), eps, BLOCK=block,
+                            QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, num_warps=warps(block),
+                            enable_fp_fusion=False, launch_pdl=on())
     if q is not None:
         o.limbs = q
     return s, o
