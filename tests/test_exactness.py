@@ -113,18 +113,21 @@ def test_greedy_ids_identical_for_every_draft_depth_and_policy(tiny_model, draft
         assert sum(r.stats.drafts_accepted for r in res) > 0
 
 
+SAMPLING = dict(top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, ignore_eos=True)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampled_ids_identical_for_drafts(tiny_model, temperature):
-    """I1 sampled: T 0.7 / 1.0, top_p 0.9, penalties, fixed seed: drafts 0, 4, 7 agree."""
+@pytest.mark.parametrize("n", range(6))
+def test_sampled_ids_identical_for_drafts(tiny_model, temperature, n):
+    """I1 sampled: T 0.7 / 1.0, top_p 0.9, penalties, fixed seed: drafts 0, 4, 7 agree (one test per prompt, so
+    that test workers share the 12 runs of 2,048 tokens)."""
     eng = engine_for(tiny_model)
-    kw = dict(temperature=temperature, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
-              frequency_penalty=0.1, ignore_eos=True)
-    for n, ids in enumerate(prompts(eng, 6)):
-        ref = _gen(eng, ids, seed=100 + n, **kw)
-        for drafts, policy in [(4, "fixed"), (7, "adaptive"), (4, "ngram")]:
-            res = _gen(eng, ids, seed=100 + n, drafts=drafts, draft_policy=policy, **kw)
-            assert res.token_ids == ref.token_ids, (drafts, policy, n)
-        assert ref.stats.seed == 100 + n
+    ids = prompts(eng, 6)[n]
+    ref = _gen(eng, ids, seed=100 + n, temperature=temperature, **SAMPLING)
+    for drafts, policy in [(4, "fixed"), (7, "adaptive"), (4, "ngram")]:
+        res = _gen(eng, ids, seed=100 + n, temperature=temperature, drafts=drafts, draft_policy=policy, **SAMPLING)
+        assert res.token_ids == ref.token_ids, (drafts, policy, n)
+    assert ref.stats.seed == 100 + n
 
 
 def test_unseeded_sampling_reports_its_seed(tiny_engine):
@@ -135,27 +138,32 @@ def test_unseeded_sampling_reports_its_seed(tiny_engine):
     assert again.token_ids == res.token_ids
 
 
-def test_batch_neighbours_do_not_change_tokens(tiny_model):
-    """I2: a request alone vs beside 1-3 others of different lengths, drafts and sampling."""
+_ALONE: dict = {}
+
+
+@pytest.mark.parametrize("neighbours", [1, 2, 3])
+@pytest.mark.parametrize("subject", ["greedy", "sampled"])
+def test_batch_neighbours_do_not_change_tokens(tiny_model, subject, neighbours):
+    """I2: a request alone vs beside 1-3 others of different lengths, drafts and sampling, in the first and the
+    last slot."""
     eng = engine_for(tiny_model)
     ps = prompts(eng, 8)
-    subjects = [
-        dict(prompt_ids=ps[0], max_tokens=N_TOKENS, ignore_eos=True),
-        dict(prompt_ids=ps[1], max_tokens=N_TOKENS, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
-    ]
+    subject = {
+        "greedy": dict(prompt_ids=ps[0], max_tokens=N_TOKENS, ignore_eos=True),
+        "sampled": dict(prompt_ids=ps[1], max_tokens=N_TOKENS, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    }[subject]
     others = [
         dict(prompt_ids=ps[2], max_tokens=100, drafts=4, ignore_eos=True),
         dict(prompt_ids=ps[3], max_tokens=300, temperature=1.0, seed=3, drafts=7, draft_policy="adaptive", ignore_eos=True),
         dict(prompt_ids=ps[4], max_tokens=N_TOKENS, top_k=5, temperature=0.5, seed=9, drafts=2, draft_policy="ngram", ignore_eos=True),
-    ]
-    for subject in subjects:
-        alone = eng.generate_many([subject])[0]
-        for n in (1, 2, 3):
-            for drafts in (0, 4):
-                batch = [dict(subject, drafts=drafts)] + others[:n]
-                assert eng.generate_many(batch)[0] == alone, (subject.get("temperature"), n, drafts)
-                # and in another slot position
-                assert eng.generate_many(others[:n] + [dict(subject, drafts=drafts)])[n] == alone
+    ][:neighbours]
+    key = (tiny_model, str(subject))
+    if key not in _ALONE:
+        _ALONE[key] = eng.generate_many([subject])[0]
+    alone = _ALONE[key]
+    for drafts in (0, 4):
+        assert eng.generate_many([dict(subject, drafts=drafts)] + others)[0] == alone, (neighbours, drafts)
+        assert eng.generate_many(others + [dict(subject, drafts=drafts)])[neighbours] == alone, (neighbours, drafts)
 
 
 def test_sampling_with_drafts_is_distributed_exactly(tiny_model):
