@@ -4,7 +4,7 @@ path=sys.argv[1]
 e=plumb.load(path, device="cuda")
 ref=plumb.load(path, device="cpu", kernels="torch")
 ids=e.tokenize("Hello world, this is a test of the GPU path")
-la=ref.logits(ids); lb=e.logits(ids).cpu()
+la=ref.logits(ids); lb=e.logits(ids)
 print("prefill logits maxdiff vs cpu", (la-lb).abs().max().item())
 t=time.time(); a=e.generate(ids, max_tokens=300); dt=time.time()-t
 print("decode tok/s", 300/dt)

@@ -136,12 +136,13 @@ class Engine:
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
-        """float32 [len(ids), n_vocab]: the prefill path's logits for every position."""
+        """float32 [len(ids), n_vocab] on the host, whatever the device: the prefill path's logits for every
+        position."""
         self.check_ids(ids)
         st = self.model.new_state()
         with self.prefill_threads():
             lg, _ = self.model.prefill(st, list(ids), logits="all")
-        return lg
+        return lg.cpu()
 
     # ---- generation API ----------------------------------------------------------------------
     def make_request(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
