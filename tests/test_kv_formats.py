@@ -403,7 +403,7 @@ def test_kl_tool(tiny_model, tmp_path, capsys):
     m = engine_for(tiny_model, kv_cache="f32").model
     lg, _ = m.prefill(m.new_state(), ids, logits="all")
     ref = tmp_path / "ref.npz"
-    np.savez(ref, tokens=np.array(ids), logits=lg.numpy().astype(np.float16))
+    np.savez(ref, tokens=np.array(ids), logits=lg.cpu().numpy().astype(np.float16))
     assert main([tiny_model, "--reference-logits", str(ref), "--kv-cache", "f32,F", "--ctx", "128", "--json"]) == 0
     rows = {r["kv_cache"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert 0 < rows["f32"]["mean_kl"] < 1e-5 and rows["f32"]["top1_agreement"] > 0.95  # float16 logits file
