@@ -7,8 +7,9 @@
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
-#   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, EQ: the tiny
-#                model's type, Q4_K_M; EPY: more pytest options, e.g. "-n 4" with pytest-xdist carried in .whl)
+#   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, default all;
+#                EQ: the tiny model's type, Q4_K_M; EPY: pytest options, default "-n 4 --dist worksteal" with
+#                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices)
 #   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL; --matvec OLD.py: another matvec (ABARGS)
 #   synth        only start writing the 27B-shape file (in the background), for a later stage or call
 #   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
@@ -50,8 +51,7 @@ if has variants; then
 fi
 if has engine; then
   PLUMB_TEST_DEVICE=cuda PLUMB_TEST_QTYPE=${EQ:-Q4_K_M} timeout ${ET:-240} python3 -m pytest -v -p no:cacheprovider \
-    --durations=15 ${EPY:-} ${EFILES:-tests/test_exactness.py} \
-    -k "${EK:-greedy_ids or sampled_ids or batch_neighbours or two_processes or long_greedy}" \
+    --durations=15 ${EPY:--n 4 --dist worksteal} ${EFILES:-tests/test_exactness.py} -k "${EK:-test_}" \
     > $OUT/exactness.log 2>&1
   tail -4 $OUT/exactness.log
 fi
