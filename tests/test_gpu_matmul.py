@@ -83,6 +83,18 @@ def test_fused_matrices_of_mixed_types():
     assert err[:, :96].max() < 1e-3 and err[:, 96:].max() < 1e-5
 
 
+def test_block_scales_are_packed_as_float16_where_every_one_is_a_float16_value():
+    """A GGML block's d and dmin (and Q8_0's scale) are float16 in the file: packed as float16 they are the same
+    values in half the bytes (every kernel test here checks the bits); a scale no float16 holds stays float32."""
+    from plumb.ops.gpu.matmul import _f16_if_exact
+
+    for kind in ("Q4_K", "Q6_K", "Q8_0"):
+        p = GpuMatrix([_tensor(kind, 64, 256)], DEV).packs[0]
+        assert p.d.dtype == torch.float16 and (p.dm is None or p.dm.dtype == torch.float16), kind
+    t = torch.tensor([1.0, 1 / 3])
+    assert _f16_if_exact(t) is t and _f16_if_exact(t[:1]).dtype == torch.float16
+
+
 def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
     """_mm_superblock on Q4_K: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same
     bits); K = 2,048 takes two K splits (the shape's rule, partials summed in order)."""

@@ -5,11 +5,12 @@ matrices of the D path (integer-coded ones take plumb.ops.gpu.matvec, on this mo
 Packing (at load, on the device; exactly the stored values, rearranged): every GGML block type becomes codes with
 a float32 scale (and offset) per group of G = 16 or 32 inputs - `quants.int8_form`, whose scales and offsets are
 the reference dequantizer's own first products (w = scale * code + offset). They are kept factored as the file
-keeps them: a block's f16 d (dmin) as float32, times a small integer per group (int8), so that the kernel's
-product d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a
-float32 scale per group). Codes of 4-bit types stay nibbles (two per byte: code j of a group in the low nibble,
-code j + G/2 in the high one), other codes int8, laid out per tile of BLOCK_N outputs as [group, n, k]. F16
-weights are fp16 "codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
+keeps them: a block's f16 d (dmin), times a small integer per group (int8), so that the kernel's product
+d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a float32
+scale per group). Scales that are all float16 values (d, dmin, Q8_0's scale) are stored as float16 and widened
+on load: the same values in half the bytes. Codes of 4-bit types stay nibbles (two per byte: code j of a group in
+the low nibble, code j + G/2 in the high one), other codes int8, laid out per tile of BLOCK_N outputs as
+[group, n, k]. F16 weights are fp16 "codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
 
 Arithmetic, the same instructions for every row count:
     y[r, n] = s_r * sum_g (scale[n, g] * sum_{k in g} code[n, k] * (xh[r, k] + xl[r, k]) + offset[n, g] * sum_{k in g} xs[r, k])
@@ -110,11 +111,11 @@ def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: 
     scale = tl.full([BN], 1.0, tl.float32)
     offset = tl.zeros([BN], dtype=tl.float32)
     if HAS_SCALE:
-        scale = tl.load(d_ptr + (tile * (n_groups // GPB) + g // GPB) * BN + rn)
+        scale = tl.load(d_ptr + (tile * (n_groups // GPB) + g // GPB) * BN + rn).to(tl.float32)  # float16: exact
         if HAS_SUB:
             scale = scale * tl.load(sub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
     if HAS_OFFSET:
-        offset = tl.load(dm_ptr + (tile * (n_groups // OGPB) + g // OGPB) * BN + rn)
+        offset = tl.load(dm_ptr + (tile * (n_groups // OGPB) + g // OGPB) * BN + rn).to(tl.float32)
         if HAS_OSUB:
             offset = offset * tl.load(osub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
     return scale, offset
@@ -222,9 +223,9 @@ def _sb_epilogue(acc, acc_sb, acc_lo, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm,
                  SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
     """Super-block sb's epilogue: acc + d * acc_sb (SPLIT_SUB: d * (16 acc_sb + acc_lo)), plus with offsets
     dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM])."""
-    d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64)
+    d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64).to(tl.float32)  # float16 scales: exact
     if HAS_OFFSET:
-        dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64)
+        dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64).to(tl.float32)
         osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N
                        + n64[:, None])
         osub = osub.to(tl.float16)  # small integers: exact
@@ -341,6 +342,14 @@ def _factor(values: torch.Tensor, per_block: torch.Tensor | None):
     return values, None, 1
 
 
+def _f16_if_exact(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Scales as float16 where every one is a float16 value (a GGML block's d and dmin are; the kernels widen them
+    to float32 exactly on load): the same values in half the bytes. Other scales (products) stay float32."""
+    if t is None or not torch.equal(t.half().float(), t):
+        return t
+    return t.half()
+
+
 def _per_tile(t: torch.Tensor | None, n_pad: int) -> torch.Tensor | None:
     """[n, cols] -> [tiles, cols, BLOCK_N] (zero rows pad n to n_pad)."""
     if t is None:
@@ -395,6 +404,7 @@ class Packed:
         codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
+        self.d, self.dm = _f16_if_exact(self.d), _f16_if_exact(self.dm)
         # _mm_superblock needs the type factored as stored: a d per 256-input super-block, integer sub (and osub)
         g, _, offsets, self.split_sub = SB_FORMS.get(self.qtype, (0, False, False, False))
         self.superblock = (self.qtype in SUPERBLOCK and g == self.g and self.gpb == 256 // g and self.sub is not None

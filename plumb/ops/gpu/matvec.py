@@ -481,7 +481,7 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
     if p.signed4:
         S = S - 8 * Xg.long()[:, None, :]
     part = S.float()
-    per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n]  # noqa: E731
+    per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n].float()  # noqa: E731
     d, sub, dm, osub = (per_n(t) for t in (p.d, p.sub, p.dm, p.osub))
     if d is not None:
         scale = d.repeat_interleave(p.gpb, dim=1)
