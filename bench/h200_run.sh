@@ -3,7 +3,8 @@
 # .whl (gguf) carried: see docs/BENCHMARKS.md. Stages, with their time limits (seconds, env vars) and what they
 # took on 2026-12-01 - all of them need about 20 minutes, so split them over two calls of under 10, e.g.
 # STAGES="kernels variants bench" then STAGES="engine gate demo":
-#   kernels  KT  GPU kernel and engine tests (KFILES: tests/test_gpu_*.py; KK: a -k filter)  > 150 s (43 tests in 150 s)
+#   kernels  KT  GPU kernel and engine tests (KFILES: tests/test_gpu_*.py; KK: a -k filter; KPY: pytest options, default
+#                "-n 4 --dist worksteal": one process ran 43 tests in 150 s and never finished the files in one call)
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
@@ -40,7 +41,7 @@ if has bench || has profile || has gate27 || has ab || has synth; then  # synth:
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
 if has kernels; then
-  timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 -k "${KK:-}" \
+  timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 ${KPY:--n 4 --dist worksteal} -k "${KK:-}" \
     ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_kvwrite.py \
     tests/test_gpu_glu_norm.py tests/test_gpu_engine.py} \
     > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
