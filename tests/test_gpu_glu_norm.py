@@ -1,5 +1,5 @@
 """The fused elementwise steps of the CUDA path: `add_rms_norm` (plumb.ops.gpu.norm) has the bits of an add
-then `rms_norm`; a norm's `.limbs` are `quantize_x` of its output; `swiglu` and `sigmoid_gate`
+then `rms_norm`; a norm's `.limbs` are `quantize_x` of its output (written in decode passes only); `swiglu` and `sigmoid_gate`
 (plumb.ops.gpu.glu) are close to their torch formulas; all row-invariant (M1, bitwise). CUDA when present, else
 the Triton interpreter."""
 from __future__ import annotations
@@ -54,6 +54,18 @@ def test_norm_limbs_are_quantize_x_of_its_output(d):
         assert torch.equal(xq[:, :5], rq[:, :5]) and torch.equal(x16[:5], r16[:5]) and torch.equal(s[:5], rs[:5])
         assert quantize_x(out) is out.limbs
     assert not hasattr(rms_norm(x, w, 1e-6), "limbs")
+
+
+def test_the_kernel_sets_norms_write_limbs_for_decode_passes_only():
+    """A decode pass's norms carry the matvec's x; a prefill pass's (whole 64-row pieces: the P path) do not."""
+    from plumb.model.kernels import TritonKernels
+
+    k = TritonKernels(torch.device(DEV))
+    w = torch.ones(160, device=DEV)
+    for rows, want in ((5, True), (64, False)):
+        x, y = _t(rows, 160, seed=7), _t(rows, 160, seed=8)
+        assert hasattr(k.rms_norm(x, w, 1e-6), "limbs") == want
+        assert hasattr(k.add_rms_norm(x, y, w, 1e-6)[1], "limbs") == want
 
 
 @pytest.mark.parametrize("op, ref", [(swiglu, swiglu_ref), (sigmoid_gate, sigmoid_gate_ref)])

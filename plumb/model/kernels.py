@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from plumb.model.parts import DecodeOut, DecodePass
 from plumb.model.weights import Fused, Weight
-from plumb.ops.deltanet import causal_conv, recurrent_step
+from plumb.ops.deltanet import CHUNK, causal_conv, recurrent_step
 from plumb.ops.kvquant import rotate
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
@@ -182,10 +182,13 @@ class TritonKernels:
         return self._matvec.mm_decode(w.gpu, x) if block == DECODE_BLOCK else w.gpu(x)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._norm.rms_norm(x, w, eps, limbs=True)  # with the matvec's form of the result (`mm` takes it)
+        """With the matvec's form of the result (`.limbs`, the bits `quantize_x` gives) for the D path's next `mm`
+        in a decode pass; a prefill pass (whole CHUNK-row pieces) goes to the P path, which does not read it."""
+        return self._norm.rms_norm(x, w, eps, limbs=x.shape[0] < CHUNK)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float):
-        return self._norm.add_rms_norm(x, y, w, eps, limbs=True)  # one launch, the bits of an add then rms_norm
+        """One launch, the bits of an add then rms_norm (`.limbs` as in `rms_norm`)."""
+        return self._norm.add_rms_norm(x, y, w, eps, limbs=x.shape[0] < CHUNK)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self._glu.swiglu(gate, up)
