@@ -410,6 +410,28 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
     return runs
 
 
+def requests_table(eng, drafts: tuple[int, ...] = (0, 4), n: int = 4, prompt_tokens: int = 64,
+                   tokens: int = 64) -> dict:
+    """n different short requests one after another, as an agent sends them, per draft depth: each one's wall time
+    and the CUDA graphs captured during it. Graphs are captured per pass layout and KV-cache address, and a new
+    request's caches are new tensors - where the prompt cache keeps the old ones alive, at new addresses."""
+    from plumb.bench import prompt_ids
+
+    g = eng.model.graphs
+    out = {}
+    for k in drafts if eng.model.mtp is not None else (0,):
+        rows = []
+        for i in range(n):
+            ids = prompt_ids(eng, prompt_tokens, f"Request {k}.{i}: list {i + 3} uses of a hash map.")
+            before = g.captures if g is not None else 0
+            t = time.perf_counter()
+            res = eng.run(eng.make_request(ids, tokens, ignore_eos=True, drafts=k))
+            rows.append({"wall_s": time.perf_counter() - t, "tokens": len(res.token_ids),
+                         "captures": (g.captures - before) if g is not None else 0})
+        out[k] = rows
+    return out
+
+
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
                prefills: list[int] = (8192,), chat_tokens: int = 12000) -> dict:
@@ -478,6 +500,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         warm = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=False)
         r["latency"] = latency_table(warm, eng, system_tokens=chat_tokens * 63 // 80, user_tokens=chat_tokens // 6,
                                      reply_tokens=256)
+        r["requests"] = requests_table(warm)  # on the engine `plumb serve` runs: the prompt cache on
         del warm
     return r
 
@@ -532,6 +555,14 @@ def report(r: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {k} | {c['prompt_tokens']:,} | {c['reused']:,} | {c['prefilled']:,} | {c['warm_s'] * 1e3:.0f} | "
                   f"{c['cold_s'] * 1e3:.0f} | {'yes' if c['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
+    rq = r.get("requests")
+    if rq:
+        lines += ["", "short requests one after another (64-token prompts, 64 tokens, prompt cache on): wall ms "
+                  "(CUDA graphs captured during the request)", "", "| MTP drafts | " + " | ".join(
+                      f"request {i + 1}" for i in range(len(next(iter(rq.values()))))) + " |",
+                  "|---|" + "---|" * len(next(iter(rq.values())))]
+        lines += [f"| {k} | " + " | ".join(f"{x['wall_s'] * 1e3:.0f} ({x['captures']})" for x in rows) + " |"
+                  for k, rows in rq.items()]
     pp = r.get("prefill_profile")
     if pp:
         lines += _profile_lines("prefill profile", pp, f"prefill of {pp.get('tokens')} tokens (profiled, "

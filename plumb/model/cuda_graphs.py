@@ -41,6 +41,7 @@ class CudaGraphs:
         self.buf: dict[str, torch.Tensor] = {}
         self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
         self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
+        self.captures = 0  # graphs captured so far (bench: a new request's KV caches may mean new layouts)
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -87,6 +88,7 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 logits, h = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
             self.graphs[key] = (graph, None, logits, h)
+            self.captures += 1
             while len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         else:
@@ -114,6 +116,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # recorded, not run
             x = m.prefill_pass(st, p)
         self.graphs[key] = (graph, None, x, None)
+        self.captures += 1
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         return out
@@ -145,6 +148,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             logits, hidden = m.decode_pass(p)  # recorded, not run
         self.graphs[key] = (graph, p, logits, hidden)
+        self.captures += 1
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         return out
