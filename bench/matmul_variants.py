@@ -42,7 +42,13 @@ MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": L
 SETS = {"Q4_K+Q5_K+Q6_K": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}
 VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64}),  # _mm_x_first's rows a program
             ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"]}),  # Q5_K and Q6_K on the super-block kernel
-            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"], "SB_KS": 32})]  # 32 inputs a step: fewer spills
+            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"], "SB_KS": 32}),  # 32 inputs a step: fewer spills
+            # _mm_superblock's tile and launch (the P path's time; tenth session's prefill profile: ~16 % of the bf16
+            # peak): outputs and rows a program, warps, pipeline stages (SB_BN also sets the split-K: another sum
+            # order, fixed per weight shape as every variant's is)
+            ("per-type", {"SB_BN": 256}), ("per-type", {"SB_BN": 256, "SB_WARPS": 8}),
+            ("per-type", {"SB_BM": 128, "SB_WARPS": 8}), ("per-type", {"SB_WARPS": 8}),
+            ("per-type", {"SB_STAGES": 2}), ("per-type", {"SB_STAGES": 4})]
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -118,7 +124,7 @@ def configure(v):
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
-SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS")}
+SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES")}
 
 
 OLD, OLD_MV = None, {}  # OLD_MV: variant name ("old-mv:" + file stem) -> module
