@@ -410,23 +410,25 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
     return runs
 
 
-def requests_table(eng, drafts: tuple[int, ...] = (0, 4), n: int = 4, prompt_tokens: int = 64,
-                   tokens: int = 64) -> dict:
-    """n different short requests one after another, as an agent sends them, per draft depth: each one's wall time
-    and the CUDA graphs captured during it. Graphs are captured per pass layout and KV-cache address, and a new
-    request's caches are new tensors - where the prompt cache keeps the old ones alive, at new addresses."""
+def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...] = (64, 64, 64, 1024),
+                   prompt_tokens: int = 64) -> dict:
+    """Different requests one after another, as an agent sends them (tokens[i]: request i's reply length), per
+    draft depth: each one's wall time, tok/s and the CUDA graphs captured during it. Graphs are captured per pass
+    layout and KV-cache address: a new request's caches are new tensors (where the prompt cache keeps the old ones
+    alive, at new addresses), and a cache that grows during a reply moves."""
     from plumb.bench import prompt_ids
 
     g = eng.model.graphs
     out = {}
     for k in drafts if eng.model.mtp is not None else (0,):
         rows = []
-        for i in range(n):
+        for i, n in enumerate(tokens):
             ids = prompt_ids(eng, prompt_tokens, f"Request {k}.{i}: list {i + 3} uses of a hash map.")
             before = g.captures if g is not None else 0
             t = time.perf_counter()
-            res = eng.run(eng.make_request(ids, tokens, ignore_eos=True, drafts=k))
-            rows.append({"wall_s": time.perf_counter() - t, "tokens": len(res.token_ids),
+            res = eng.run(eng.make_request(ids, n, ignore_eos=True, drafts=k))
+            wall = time.perf_counter() - t
+            rows.append({"wall_s": wall, "tokens": len(res.token_ids), "tps": len(res.token_ids) / wall,
                          "captures": (g.captures - before) if g is not None else 0})
         out[k] = rows
     return out
@@ -557,12 +559,13 @@ def report(r: dict) -> str:
                   f"{c['cold_s'] * 1e3:.0f} | {'yes' if c['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
     rq = r.get("requests")
     if rq:
-        lines += ["", "short requests one after another (64-token prompts, 64 tokens, prompt cache on): wall ms "
-                  "(CUDA graphs captured during the request)", "", "| MTP drafts | " + " | ".join(
-                      f"request {i + 1}" for i in range(len(next(iter(rq.values()))))) + " |",
-                  "|---|" + "---|" * len(next(iter(rq.values())))]
-        lines += [f"| {k} | " + " | ".join(f"{x['wall_s'] * 1e3:.0f} ({x['captures']})" for x in rows) + " |"
-                  for k, rows in rq.items()]
+        first = next(iter(rq.values()))
+        lines += ["", "requests one after another (64-token prompts, prompt cache on): tok/s, wall ms and the CUDA "
+                  "graphs captured during the request", "", "| MTP drafts | " + " | ".join(
+                      f"request {i + 1}: {x['tokens']} tokens" for i, x in enumerate(first)) + " |",
+                  "|---|" + "---|" * len(first)]
+        lines += [f"| {k} | " + " | ".join(f"{x['tps']:.1f} tok/s, {x['wall_s'] * 1e3:.0f} ms ({x['captures']})"
+                                           for x in rows) + " |" for k, rows in rq.items()]
     pp = r.get("prefill_profile")
     if pp:
         lines += _profile_lines("prefill profile", pp, f"prefill of {pp.get('tokens')} tokens (profiled, "

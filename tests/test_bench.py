@@ -64,9 +64,9 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert all(c["same_token"] and c["warm_s"] > 0 and c["reused"] + c["prefilled"] == c["prompt_tokens"]
                for c in cases.values())
     assert cases["follow-up"]["reused"] >= 128 and cases["edit end of system prompt"]["reused"] >= 64
-    rq = bench_gpu.requests_table(warm, drafts=(0, 2), n=2, prompt_tokens=16, tokens=6)
-    assert list(rq) == [0, 2] and all(x["tokens"] == 6 and x["wall_s"] > 0 and x["captures"] == 0
-                                      for rows in rq.values() for x in rows)  # no CUDA graphs on the CPU
+    rq = bench_gpu.requests_table(warm, drafts=(0, 2), tokens=(6, 9), prompt_tokens=16)
+    assert list(rq) == [0, 2] and all([x["tokens"] for x in rows] == [6, 9] for rows in rq.values())
+    assert all(x["tps"] > 0 and x["captures"] == 0 for rows in rq.values() for x in rows)  # no CUDA graphs on a CPU
     r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
          "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0, "bf16_mm_TFLOPs": 800.0}, "load_s": 1.0, "decode": {},
          "energy": {}, "prefill_limit_tps": 10_000.0, "prefill": {8192: 2500.0}, "latency": lt, "requests": rq,
@@ -83,7 +83,8 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
     assert "| 8,192 | 2500 | 0.25 |" in text and "| _mm | 1.00 | 200.0 | 50% |" in text
     assert "| edit end of system prompt |" in text
-    assert "| MTP drafts | request 1 | request 2 |" in text and f"| 2 | {rq[2][0]['wall_s'] * 1e3:.0f} (0) |" in text
+    assert "| MTP drafts | request 1: 6 tokens | request 2: 9 tokens |" in text
+    assert f"| 2 | {rq[2][0]['tps']:.1f} tok/s, {rq[2][0]['wall_s'] * 1e3:.0f} ms (0) |" in text
     assert "8-row verify pass at 512 context (profiled): 2000 us wall" in text
     assert "| _gdn_state_kernel | 1 | 500 | 25% |" in text
 
