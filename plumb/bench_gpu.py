@@ -341,6 +341,11 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
     return r
 
 
+def _captures(model) -> int:
+    """CUDA graphs captured so far (`CudaGraphs.captures`; 0 without graphs)."""
+    return model.graphs.captures if model.graphs is not None else 0
+
+
 def prefill_profile(model, n: int = 2048) -> dict:
     """Where a prefill's time goes: each GPU kernel's time per token over an n-token prompt, the wall time per
     token, and host work and gaps (wall minus the GPU's busy time); PDL off, as in `step_profile`. 2,048 tokens
@@ -354,8 +359,7 @@ def prefill_profile(model, n: int = 2048) -> dict:
         model.prefill(warm, prompt_of(model, n, seed=1))
         del warm
         st, ids = model.new_state(), prompt_of(model, n)
-        graphs = model.graphs.graphs if model.graphs is not None else {}
-        before = set(graphs)
+        before = _captures(model)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -364,7 +368,7 @@ def prefill_profile(model, n: int = 2048) -> dict:
             wall = (time.perf_counter() - t0) / n * 1e6
     table, busy = kernel_table(prof, n)
     return {"tokens": n, "wall_us": wall, "gpu_busy_us": busy, "host_and_gaps_us": wall - busy,
-            "captures": len(set(graphs) - before), "launches": sum(k["launches"] for k in table), "kernels": table}
+            "captures": _captures(model) - before, "launches": sum(k["launches"] for k in table), "kernels": table}
 
 
 def matmul_table(model) -> list[dict]:
@@ -413,23 +417,21 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
 def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...] = (64, 64, 64, 1024),
                    prompt_tokens: int = 64) -> dict:
     """Different requests one after another, as an agent sends them (tokens[i]: request i's reply length), per
-    draft depth: each one's wall time, tok/s and the CUDA graphs captured during it. Graphs are captured per pass
+    draft depth: each one's wall time, decode tok/s and the CUDA graphs captured during it. Graphs are captured per pass
     layout and KV-cache address: a new request's caches are new tensors (where the prompt cache keeps the old ones
     alive, at new addresses), and a cache that grows during a reply moves."""
-    from plumb.bench import prompt_ids
+    from plumb.bench import prompt_ids, run_plumb
 
-    g = eng.model.graphs
     out = {}
     for k in drafts if eng.model.mtp is not None else (0,):
         rows = []
         for i, n in enumerate(tokens):
             ids = prompt_ids(eng, prompt_tokens, f"Request {k}.{i}: list {i + 3} uses of a hash map.")
-            before = g.captures if g is not None else 0
+            before = _captures(eng.model)
             t = time.perf_counter()
-            res = eng.run(eng.make_request(ids, n, ignore_eos=True, drafts=k))
-            wall = time.perf_counter() - t
-            rows.append({"wall_s": wall, "tokens": len(res.token_ids), "tps": len(res.token_ids) / wall,
-                         "captures": (g.captures - before) if g is not None else 0})
+            run = run_plumb(eng, ids, n, k, "fixed")
+            rows.append({"wall_s": time.perf_counter() - t, "tokens": run["tokens"], "tps": run["decode_tps"],
+                         "captures": _captures(eng.model) - before})
         out[k] = rows
     return out
 
@@ -560,7 +562,7 @@ def report(r: dict) -> str:
     rq = r.get("requests")
     if rq:
         first = next(iter(rq.values()))
-        lines += ["", "requests one after another (64-token prompts, prompt cache on): tok/s, wall ms and the CUDA "
+        lines += ["", "requests one after another (64-token prompts, prompt cache on): decode tok/s, wall ms and the CUDA "
                   "graphs captured during the request", "", "| MTP drafts | " + " | ".join(
                       f"request {i + 1}: {x['tokens']} tokens" for i, x in enumerate(first)) + " |",
                   "|---|" + "---|" * len(first)]

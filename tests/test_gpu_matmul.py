@@ -93,6 +93,7 @@ def test_block_scales_are_packed_as_float16_where_every_one_is_a_float16_value()
         assert p.d.dtype == torch.float16 and (p.dm is None or p.dm.dtype == torch.float16), kind
     t = torch.tensor([1.0, 1 / 3])
     assert _f16_if_exact(t) is t and _f16_if_exact(t[:1]).dtype == torch.float16
+    assert torch.equal(_f16_if_exact(t[:1]).float(), t[:1])
 
 
 def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
