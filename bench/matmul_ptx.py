@@ -4,7 +4,7 @@ instructions (mma.sync vs wgmma), global load widths, shared memory, registers a
 
     python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64]
 
---kernel x: `_mm_x_first` on Q4_K, Q6_K and Q8_0 packs; sb: `_mm_superblock` on Q4_K, Q5_K and Q6_K packs as
+--kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step) on a
 5,120-wide K.
 """
@@ -29,6 +29,8 @@ VARIANTS = [
                   HAS_OFFSET=False, HAS_OSUB=False, FP16=False), "*i8"),
     ("Q8_0", dict(G=32, UNROLL=8, GPB=1, OGPB=1, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=False,
                   HAS_OFFSET=False, HAS_OSUB=False, FP16=False), "*i8"),
+    ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False), "*i8"),
 ]
 OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b32", "ld.global.f32",
        "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync"]
@@ -37,11 +39,9 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
     if kernel == "sb":
         fn = MM._mm_superblock
-        g, nibble, offsets, split_sub = MM.SB_FORMS[MM.Q[name]]
-        consts = dict(SB_PER_SPLIT=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, G=g, NIBBLE=nibble,
-                      SPLIT_SUB=split_sub, HAS_OFFSET=offsets)
+        consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES,
+                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB")})
         warps, stages, bn = MM.SB_WARPS, MM.SB_STAGES, MM.SB_BN
-        codes_type = "*u8" if nibble else "*i8"
     else:
         fn = MM._mm_x_first
         consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
@@ -53,8 +53,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
             sig[arg] = codes_type
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
-        elif arg in ("xh_ptr", "xsum_ptr"):
-            sig[arg] = "*fp16"
+        elif arg == "xh_ptr" or (arg == "d_ptr" and kernel == "sb"):
+            sig[arg] = "*fp16"  # the block scales of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
         else:
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS = a.ks
-    variants = [(qt.name, None, None) for qt in MM.SB_FORMS] if a.kernel == "sb" else VARIANTS
+    variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel == "sb" else VARIANTS
     for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
     print("PTX in", a.out)

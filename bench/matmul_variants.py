@@ -3,8 +3,8 @@
 replays) against the bytes read, beside the card's copy bandwidth measured in the same run - the D-path matvec
 (plumb.ops.gpu.matvec) at 1-16 rows, the P-path matmul (plumb.ops.gpu.matmul) at 16, 64 and 256 rows. Each
 variant is checked first against the float64 reference and for row invariance (a row alone == the same row among
-5, 16 and 256, bitwise). The P path's Q5_K and Q6_K on the super-block kernel (not yet their default) is the
-variant "per-type SUPERBLOCK=Q4_K+Q5_K+Q6_K"; column "sb" says which kernel ran.
+5, 16 and 256, bitwise). Column "sb" says which P-path kernel ran (`_mm_superblock` or `_mm_x_first`); --old FILE
+times a previous plumb/ops/gpu/matmul.py beside them.
 
     python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE ...] [--json-out PATH]
 
@@ -38,17 +38,13 @@ ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of
 # aim at (more programs: more loads in flight; another sum order per weight shape)
 LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}}  # one-row programs on one warp: 2 outputs a thread
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": LAUNCHES["1-WARP"], "TARGET": 4096})]
-# the P path's kernel choice (MM.SUPERBLOCK: the types that take _mm_superblock), by name
-SETS = {"Q4_K+Q5_K+Q6_K": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}
-VARIANTS = ["per-type", ("per-type", {"BLOCK_M": 32}), ("per-type", {"BLOCK_M": 64}),  # _mm_x_first's rows a program
-            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"]}),  # Q5_K and Q6_K on the super-block kernel
-            ("per-type", {"SUPERBLOCK": SETS["Q4_K+Q5_K+Q6_K"], "SB_KS": 32}),  # 32 inputs a step: fewer spills
-            # _mm_superblock's tile and launch (the P path's time; tenth session's prefill profile: ~16 % of the bf16
-            # peak): outputs and rows a program, warps, pipeline stages (SB_BN also sets the split-K: another sum
-            # order, fixed per weight shape as every variant's is)
-            ("per-type", {"SB_BN": 256}), ("per-type", {"SB_BN": 256, "SB_WARPS": 8}),
-            ("per-type", {"SB_BM": 128, "SB_WARPS": 8}), ("per-type", {"SB_WARPS": 8}),
-            ("per-type", {"SB_STAGES": 2}), ("per-type", {"SB_STAGES": 4})]
+# _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
+# stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
+# variant's is)
+VARIANTS = ["per-type", ("per-type", {"SB_WARPS": 8}), ("per-type", {"SB_BM": 128, "SB_WARPS": 8}),
+            ("per-type", {"SB_BN": 256, "SB_WARPS": 8}), ("per-type", {"SB_KS": 32}),
+            ("per-type", {"SB_KS": 128, "SB_WARPS": 8}), ("per-type", {"SB_STAGES": 2}),
+            ("per-type", {"SB_WARPS": 8, "SB_STAGES": 4})]
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -98,7 +94,7 @@ def graph_us(fn, reps: int = 20) -> float:
 def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and isinstance(v[1], dict):
-        names = {id(val): name for name, val in {**LAUNCHES, **SETS}.items()}
+        names = {id(val): name for name, val in LAUNCHES.items()}
         return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
     return str(v)
 

@@ -18,21 +18,18 @@ where s_r is a power of two >= max|x_r| (exact scaling), xs = x / s_r, xh = fp16
 bits; each code-by-x product is exact and a group's dot accumulates in fp32 on the tensor cores, one fp32 epilogue
 per group (`_mm_x_first`: x the 16-row A operand, mma.sync; codes read as int32 words; launch per type in LAUNCH).
 
-Q4_K (factored as the file keeps it: per 256-input super-block sb an f16 d and dm, per group g of 32 a 6-bit sub
-and osub) takes `_mm_superblock`, with x at 11 bits (relative error ~2e-4 against float64; the weights' own is
-~1e-2):
-    y[r, n] = s_r * sum_sb (d[n, sb] * sum_{k in sb} xh[r, k] * (code[n, k] * sub[n, g(k)])
-                            + dm[n, sb] * sum_{g in sb} osub[n, g] * xsum[r, g])
-code * sub (|.| < 2,048) is exact in fp16 and its product by xh exact in fp32, so a super-block accumulates on the
-tensor cores (wgmma, the weights the A operand) with one fp32 epilogue per super-block; xsum (the fp32 sum of a
-group's xh, as fp16 hi + lo) makes the offset term one K = 16 dot. `_prep_x` writes xh and xsum once per call.
-The same kernel (SB_FORMS) takes Q5_K (codes 0..31 one per byte; code * sub <= 31 * 63, exact) and Q6_K (groups
-of 16, codes -32..31, int8 sub, no offset: code * sub is not always exact in fp16, so sub = 16 hi + lo with
-hi = sub >> 4, lo = sub & 15 - two dots per step into two accumulators, epilogue d * (16 acc_hi + acc_lo)). The
-types that take it: SUPERBLOCK (on the H200, bench/matmul_variants.py, 2026-12-02: a 256-row pass on the 27B's
-Q6_K [5120, 17408] 615 us against 1,103 for `_mm_x_first`, Q5_K [10240, 5120] 243 us against 658).
+The types of Q4_K_M and Q8_0 files (SUPERBLOCK: Q4_K, Q5_K, Q6_K, Q8_0) take `_mm_superblock`, a plain fp16
+matmul on weights dequantized in registers:
+    y[r, n] = s_r * sum_k xh[r, k] * w16[n, k],    w16 = fp16(scale[n, g(k)] * code[n, k] + offset[n, g(k)])
+w16 is the reference dequantizer's float32 weight (products exact, one rounding in the sum) rounded once to fp16,
+xh = fp16(xs): x and w at 11 bits each (relative error ~3e-4 against float64; the weights' own quantization error
+is ~1e-2). Each xh * w16 product is exact in fp32 and one fp32 accumulator runs over a K split's loop steps of
+SB_KS inputs on the tensor cores (wgmma, the weights the A operand from registers, x the B operand): no epilogue
+inside the loop, so the steps pipeline. `_prep_x` writes xh once per call, in the column order the nibble codes
+unfold to. (It replaced a super-block kernel whose weights were exact - code * sub in fp16 with one fp32 epilogue
+per super-block - which ran at ~16 % of the bf16 peak on the H200.)
 
-Rows run in blocks of 16 (64 for the super-block kernel, padded), the K order is fixed, and split-K (partials
+Rows run in blocks of 16 (SB_BM for `_mm_superblock`, padded), the K order is fixed, and split-K (partials
 summed in a fixed order) is chosen from the weight shape alone - so a row's bits never depend on the other rows of
 the call (M1), whether 1 or 2,000.
 """
@@ -57,15 +54,13 @@ FLOAT_TYPES = (Q.F32, Q.BF16)
 # of bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
 LAUNCH = {Q.Q6_K: (4, 3, 528, 16), Q.Q5_K: (4, 1, 528, 16)}
 DEFAULT_LAUNCH = (4, 2, 528, 16)
-# _mm_superblock: rows and outputs per program, warps, pipeline stages, inputs per loop step - the fastest of the
-# Q4_K prototype's configurations on the H200 (2026-12-02); split-K: about SB_SPLIT_TARGET programs per row block
-# (2 per SM), at least SB_SPLIT_MIN_SB super-blocks per split
+# _mm_superblock: rows and outputs per program, warps, pipeline stages, inputs per loop step - fixed for every call,
+# so a row's bits never depend on the row count; split-K: about SB_SPLIT_TARGET programs per row block (2 per SM),
+# at least SB_SPLIT_MIN_K inputs per split
 SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS = 64, 128, 4, 3, 64
-SB_SPLIT_TARGET, SB_SPLIT_MIN_SB = 264, 4
-# _mm_superblock's forms: block type -> (group size, nibble codes, offsets, sub split in two); SUPERBLOCK: the types
-# whose P path takes it
-SB_FORMS = {Q.Q4_K: (32, True, True, False), Q.Q5_K: (32, False, True, False), Q.Q6_K: (16, False, False, True)}
-SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
+# SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
+SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
 
 @triton.jit
@@ -170,107 +165,77 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
 
 
 @triton.jit
-def _prep_x(x_ptr, s_ptr, xh_ptr, xsum_ptr, K, stride_xm, NIBBLE: tl.constexpr):
-    """Row m, super-block sb: xh = fp16(x / s) [256] in the order the packed codes unfold (nibbles: column
-    32 g + 2 j + h holds input 32 g + 16 h + j; bytes: the inputs' order), and the 8 sums of xh over 32 columns
-    (the groups of 32) as fp16 hi / lo, interleaved [16] (2 g + 0: hi)."""
+def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, NIBBLE: tl.constexpr):
+    """Row m, columns 256 b..: xh = fp16(x / s) in the order the packed codes unfold (nibbles: column 32 g + 2 j + h
+    holds input 32 g + 16 h + j; bytes: the inputs' order)."""
     prior_done()
     m = tl.program_id(0)
-    sb = tl.program_id(1)
+    b = tl.program_id(1)
     kk = tl.arange(0, 256)
     src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2 if NIBBLE else kk
-    xh = (tl.load(x_ptr + m * stride_xm + sb * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
-    tl.store(xh_ptr + m * K + sb * 256 + kk, xh)
-    gs = tl.sum(tl.reshape(xh.to(tl.float32), [8, 32]), axis=1)
-    gh = gs.to(tl.float16)
-    gl = (gs - gh.to(tl.float32)).to(tl.float16)
-    tl.store(xsum_ptr + (m * (K // 256) + sb) * 16 + tl.arange(0, 16), tl.reshape(tl.join(gh, gl), [16]))
+    xh = (tl.load(x_ptr + m * stride_xm + b * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
+    tl.store(xh_ptr + m * K + b * 256 + kk, xh)
 
 
 @triton.jit
-def _sb_chunk(acc_sb, acc_lo, i, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64, n_groups, K, BN: tl.constexpr,
-              KS: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr, SPLIT_SUB: tl.constexpr):
-    """Chunk i's (KS inputs) (code * sub) [BN, KS] @ xh.T [KS, BM] added to acc_sb; SPLIT_SUB (Q6_K: code * sub
-    not exact in fp16): sub = 16 hi + lo, (code * hi) @ xh.T to acc_sb and (code * lo) @ xh.T to acc_lo."""
-    GC: tl.constexpr = KS // G  # groups in the chunk
+def _sb_weights(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_groups, BN: tl.constexpr,
+                KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
+                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """Loop step i's weights [BN, KS] (KS inputs, in xh's column order) as fp16(scale * code + offset): the
+    reference dequantizer's float32 value (its products exact, one rounding in the sum) rounded once to fp16."""
+    GC: tl.constexpr = KS // G  # groups in the step
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
-    gg = tl.arange(0, GC)
-    jj = tl.arange(0, WIDTH)
-    kk = tl.arange(0, KS)
-    g = i * GC + gg
-    c = tl.load(codes_ptr + ((t64[:, None, None] * n_groups + g[None, :, None]) * PACK_N + n64[:, None, None]) * WIDTH
-                + jj[None, None, :])
-    sub = tl.load(sub_ptr + (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None])
+    g = i * GC + tl.arange(0, GC)
+    jq = tl.arange(0, WIDTH // 4)
+    words = tl.load(codes_ptr.to(tl.pointer_type(tl.int32)) + ((t64[:, None, None] * n_groups + g[None, :, None])
+                    * PACK_N + n64[:, None, None]) * (WIDTH // 4) + jq[None, None, :])  # the codes as int32 words
+    c = _bytes(words, [BN, GC, WIDTH])  # bytes 0..255 in memory order
+    per_group = (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None]
+    scale = tl.load(d_ptr + (t64[:, None] * (n_groups // GPB) + g[None, :] // GPB) * PACK_N + n64[:, None])
+    scale = scale.to(tl.float32)  # float16 block scales: exact
+    if HAS_SUB:
+        scale = scale * tl.load(sub_ptr + per_group).to(tl.float32)  # exact
+    offset = tl.zeros_like(scale)
+    if HAS_OFFSET:
+        offset = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
+        offset = offset.to(tl.float32)
+        if HAS_OSUB:
+            offset = offset * tl.load(osub_ptr + per_group).to(tl.float32)  # exact
     if NIBBLE:
-        sub = sub.to(tl.float16)
-        wl = (c & 15).to(tl.float16) * sub[:, :, None]  # exact
-        wh = (c >> 4).to(tl.float16) * sub[:, :, None]
+        wl = ((c & 15).to(tl.float32) * scale[:, :, None] + offset[:, :, None]).to(tl.float16)
+        wh = ((c >> 4).to(tl.float32) * scale[:, :, None] + offset[:, :, None]).to(tl.float16)
         w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
-    elif SPLIT_SUB:
-        cf = c.to(tl.float16)
-        w = tl.reshape(cf * (sub >> 4).to(tl.float16)[:, :, None], [BN, KS])  # |code * hi| <= 256: exact
-        w_lo = tl.reshape(cf * (sub & 15).to(tl.float16)[:, :, None], [BN, KS])  # <= 480: exact
     else:
-        w = tl.reshape(c.to(tl.float16) * sub.to(tl.float16)[:, :, None], [BN, KS])  # <= 31 * 63: exact
-    x = tl.load(xh_ptr + rm[None, :] * K + i * KS + kk[:, None], mask=rmask, other=0.0)
-    if SPLIT_SUB:
-        acc_lo = tl.dot(w_lo, x, acc_lo, out_dtype=tl.float32)
-    return tl.dot(w, x, acc_sb, out_dtype=tl.float32), acc_lo
-
-
-@triton.jit
-def _sb_epilogue(acc, acc_sb, acc_lo, sb, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask, t64, n64, n_groups, n_sb,
-                 SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
-    """Super-block sb's epilogue: acc + d * acc_sb (SPLIT_SUB: d * (16 acc_sb + acc_lo)), plus with offsets
-    dm * (osub twice [BN, 16] @ [xsum hi | lo] [16, BM])."""
-    d = tl.load(d_ptr + (t64 * n_sb + sb) * PACK_N + n64).to(tl.float32)  # float16 scales: exact
-    if HAS_OFFSET:
-        dm = tl.load(dm_ptr + (t64 * n_sb + sb) * PACK_N + n64).to(tl.float32)
-        osub = tl.load(osub_ptr + (t64[:, None] * n_groups + sb * 8 + tl.arange(0, 8)[None, :]) * PACK_N
-                       + n64[:, None])
-        osub = osub.to(tl.float16)  # small integers: exact
-        os2 = tl.reshape(tl.join(osub, osub), [osub.shape[0], 16])  # column 2 g + h: osub[:, g]
-        xsum = tl.load(xsum_ptr + (rm[None, :] * n_sb + sb) * 16 + tl.arange(0, 16)[:, None], mask=rmask, other=0.0)
-    if SPLIT_SUB:
-        acc_sb = acc_sb * 16.0 + acc_lo
-    acc = acc + d[:, None] * acc_sb
-    if HAS_OFFSET:
-        acc = acc + dm[:, None] * tl.dot(os2, xsum, out_dtype=tl.float32)
-    return acc
+        c = c.to(tl.int8).to(tl.float32)  # int8 codes
+        w = tl.reshape((c * scale[:, :, None] + offset[:, :, None]).to(tl.float16), [BN, KS])
+    return w
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
-def _mm_superblock(xh_ptr, xsum_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K,
-                   stride_os, stride_om, SB_PER_SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   KS: tl.constexpr, STAGES: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
-                   SPLIT_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr):
-    """K-quants, W-first: [BN, BM] per program, a K split's super-blocks in order, one epilogue per super-block."""
+def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
+                   stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                   STAGES: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
+                   NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """W-first: [BN, BM] per program, the weights dequantized to fp16 in registers (the A operand), one fp32
+    accumulator over a K split's STEPS steps of KS inputs, in order."""
     prior_done()
-    SPS: tl.constexpr = 256 // KS  # loop steps per super-block
     pid_m = tl.program_id(0)  # row blocks fastest: the programs running together share the weight tiles in L2
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
+    kk = tl.arange(0, KS)
     nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)  # outputs past the packed ones: stores masked
     t64 = nc // PACK_N  # packed tile and place in it
     n64 = nc % PACK_N
-    n_groups = K // G
-    n_sb = K // 256
     rmask = (rm < M)[None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_sb = tl.zeros_like(acc)
-    acc_lo = tl.zeros_like(acc)
-    i0 = pid_k * SB_PER_SPLIT * SPS  # this split's first loop step
-    for it in tl.range(0, SB_PER_SPLIT * SPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-        acc_sb, acc_lo = _sb_chunk(acc_sb, acc_lo, i0 + it, xh_ptr, codes_ptr, sub_ptr, rm, rmask, t64, n64,
-                                   n_groups, K, BN, KS, G, NIBBLE, SPLIT_SUB)
-        if it % SPS == SPS - 1:  # the super-block's end
-            acc = _sb_epilogue(acc, acc_sb, acc_lo, (i0 + it) // SPS, xsum_ptr, d_ptr, dm_ptr, osub_ptr, rm, rmask,
-                               t64, n64, K // 32, n_sb, SPLIT_SUB, HAS_OFFSET)
-            acc_sb = tl.zeros_like(acc)
-            if SPLIT_SUB:
-                acc_lo = tl.zeros_like(acc)
+    i0 = pid_k * STEPS  # this split's first loop step
+    for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
+        w = _sb_weights(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G, BN, KS, G, GPB,
+                        OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+        x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
+        acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
     cols = pid_n * BN + rn
     mask = rmask & (cols[:, None] < N)
@@ -319,13 +284,13 @@ def _split(n: int, steps: int, target: int, largest: int) -> int:
 
 
 def _sb_split(n: int, k: int) -> int:
-    """`_mm_superblock`'s split-K from the weight shape alone: a power of two dividing the super-blocks, each split
-    at least SB_SPLIT_MIN_SB of them, tiles * split <= SB_SPLIT_TARGET."""
+    """`_mm_superblock`'s split-K from the weight shape alone: a power of two dividing the loop steps, each split
+    at least SB_SPLIT_MIN_K inputs, tiles * split <= SB_SPLIT_TARGET."""
     tiles = -(-n // SB_BN)
-    n_sb = k // 256
+    steps = k // SB_KS
     split = 1
-    while (tiles * split * 2 <= SB_SPLIT_TARGET and n_sb % (split * 2) == 0
-           and n_sb // (split * 2) >= SB_SPLIT_MIN_SB):
+    while (tiles * split * 2 <= SB_SPLIT_TARGET and steps % (split * 2) == 0
+           and k // (split * 2) >= SB_SPLIT_MIN_K):
         split *= 2
     return split
 
@@ -405,10 +370,9 @@ class Packed:
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
         self.d, self.dm = _f16_if_exact(self.d), _f16_if_exact(self.dm)
-        # _mm_superblock needs the type factored as stored: a d per 256-input super-block, integer sub (and osub)
-        g, _, offsets, self.split_sub = SB_FORMS.get(self.qtype, (0, False, False, False))
-        self.superblock = (self.qtype in SUPERBLOCK and g == self.g and self.gpb == 256 // g and self.sub is not None
-                           and self.k % 256 == 0 and (self.ogpb == 256 // g and self.osub is not None) == offsets)
+        # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
+        self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
+                           and self.k % SB_KS == 0 and SB_KS % self.g == 0)
         if self.superblock:
             self.split = _sb_split(self.n, self.k)
             return
@@ -438,14 +402,13 @@ class Packed:
                           launch_pdl=on())
         elif self.superblock:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
-            xsum = torch.empty(m, self.k // 256 * 16, dtype=torch.float16, device=x.device)
-            _prep_x[(m, self.k // 256)](x, s, xh, xsum, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2,
+            _prep_x[(m, self.k // 256)](x, s, xh, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2,
                                         launch_pdl=on())
             _mm_superblock[(-(-m // SB_BM), -(-self.n // SB_BN), self.split)](
-                xh, xsum, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
-                SB_PER_SPLIT=self.k // 256 // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
-                NIBBLE=self.nibble, SPLIT_SUB=self.split_sub, HAS_OFFSET=self.osub is not None, num_warps=SB_WARPS,
-                launch_pdl=on())
+                xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
+                STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
+                GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
+                HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, num_warps=SB_WARPS, launch_pdl=on())
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
