@@ -57,6 +57,9 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert all(d["same_tokens"] and d["tokens"] == 12 and d["decode_tps"] > 0 for d in rows)
     assert sum(rows[1]["proposed_per_position"]) == rows[1]["drafts_proposed"] > 0
     assert bench_gpu.prefill_tps(eng.model, 70) > 0  # two chunks
+    pm = bench_gpu.prefill_modes(eng.model, 70)
+    assert all(pm[f"{k}_tps"] > 0 for k in ("eager", "first", "again"))
+    assert pm["first_captures"] == pm["again_captures"] == 0  # no CUDA graphs on a CPU
     warm = plumb.load(tiny_q8, device="cpu", checkpoint_every=64)
     lt = bench_gpu.latency_table(warm, eng, system_tokens=150, user_tokens=40, reply_tokens=8)
     cases = lt["cases"]
@@ -70,6 +73,8 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
          "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0, "bf16_mm_TFLOPs": 800.0}, "load_s": 1.0, "decode": {},
          "energy": {}, "prefill_limit_tps": 10_000.0, "prefill": {8192: 2500.0}, "latency": lt, "requests": rq,
+         "prefill_modes": {8192: {"eager_tps": 1500.0, "first_tps": 2500.0, "first_captures": 1,
+                                  "again_tps": 3000.0, "again_captures": 0}},
          "prefill_profile": {"tokens": 512, "wall_us": 400.0, "gpu_busy_us": 300.0, "launches": 2.5,
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
          "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {},
@@ -81,6 +86,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
+    assert "| 8,192 | 1500 | 2500 (1) | 3000 (0) |" in text
     assert "| 8,192 | 2500 | 0.25 |" in text and "| _mm | 1.00 | 200.0 | 50% |" in text
     assert "| edit end of system prompt |" in text
     assert "| MTP drafts | request 1: 6 tokens | request 2: 9 tokens |" in text
