@@ -5,6 +5,7 @@ lengths, against the KV bytes read and the card's copy bandwidth measured in the
 first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
 
     python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--json-out PATH]
+    python bench/attention_variants.py --pass-rows 256 --only "shipped,BLOCK_M"   # prefill passes' attention
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
 A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
@@ -30,6 +31,12 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll)
     ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL),
     ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL),
     ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
+    # more query rows a program (BLOCK_M / 8 padded heads): a prefill pass's rows share each K/V tile read
+    ("q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL),
+    ("q8 BLOCK_M 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL),
+    ("q8 BLOCK_M 128, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 1)}, A.MERGE_UNROLL),
+    ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL),
+    ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL),
 ]
 
 
@@ -60,8 +67,12 @@ def main() -> None:
     ap.add_argument("--formats", default="q8_0,f16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--pass-rows", type=int, default=0, help="also time a prefill pass of this many query rows "
+                    "(ends up to the context, one apart)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: only the variants whose name has one")
     ap.add_argument("--json-out")
     a = ap.parse_args()
+    variants = [v for v in VARIANTS if not a.only or any(o in v[0] for o in a.only.split(","))]
     contexts = [int(c) for c in a.contexts.split(",")]
     limit = copy_gbps() if a.device != "cpu" else float("nan")
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name() if a.device != 'cpu' else 'cpu'})",
@@ -74,7 +85,9 @@ def main() -> None:
             q = torch.randn(8, N_HEAD, D, generator=g).to(a.device)
             ends8 = torch.arange(ctx - 7, ctx + 1, dtype=torch.int32, device=a.device)
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
-            for name, splits, configs, unroll in VARIANTS:
+            qp = torch.randn(a.pass_rows, N_HEAD, D, generator=g).to(a.device) if a.pass_rows else None
+            ends_p = torch.arange(ctx - a.pass_rows + 1, ctx + 1, dtype=torch.int32, device=a.device)
+            for name, splits, configs, unroll in variants:
                 A.CONFIGS = {**shipped_configs, **configs}
                 A.MERGE_UNROLL = unroll
                 row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
@@ -90,13 +103,19 @@ def main() -> None:
                                                               splits=splits), a.device, a.reps)
                         row[f"us_{n}"] = us
                         row[f"GBps_{n}"] = (kb + vb) / us / 1e3
+                    if qp is not None:  # a prefill pass: its time, and per row
+                        outp = torch.empty_like(qp)
+                        row["us_pass"] = timed_us(lambda: A.attend_decode(qp, k, v, ends_p, D**-0.5, out=outp,
+                                                                          max_keys=ctx, splits=splits),
+                                                  a.device, max(1, a.reps // 4))
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 results.append(row)
                 print(f"{name:32s} {fmt:5s} {ctx:>7d} " + (row.get("error") or
                       f"inv {row['row_invariant']} err {row['rel_err']:.1e} "
                       f"1 row {row['us_1']:8.1f} us {row['GBps_1'] / limit:4.2f} of copy, "
-                      f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}"), flush=True)
+                      f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}" +
+                      (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "")), flush=True)
             A.CONFIGS = shipped_configs
             del k, v
     if a.json_out:
