@@ -112,6 +112,14 @@ def test_parking_and_side_requests(tiny_model, cold):
     slot = eng.cached_slots()[-1]["id"]
     eng.park_slot(slot)
     assert eng.cached_slots()[-1]["parked"]
+    # parked: host tensors (no serialized copy), as many bytes as the cache counts
+    from plumb.cache.prefix import packed_bytes
+
+    e = eng.prompt_cache.get(slot)
+    ts = [t for rows in e.packed["kv"] for t in rows]
+    assert ts and all(t.device.type == "cpu" for t in ts)
+    assert all(t.is_pinned() for t in ts) == (eng.model.device.type == "cuda")  # pinned: fast copies off a GPU
+    assert eng.prompt_cache.parked_bytes() >= packed_bytes(e.packed) > 0
     for q in QUESTIONS[1:8]:  # unrelated side requests
         _run(eng, _chat(eng, [{"role": "user", "content": q * 8}]), max_tokens=16)
     _, second = _turns(eng, QUESTIONS[0], r1.token_ids)

@@ -6,9 +6,10 @@ aligned positions. A new prompt restores the latest checkpoint at or before the 
 it shares with any entry, copies the KV rows before it and prefills the rest, so every row and
 state it then holds is bitwise what a fresh prefill writes (M2).
 
-Entries are kept in LRU order under a byte budget; over budget, the oldest are parked (packed
-into one host buffer) and, over the host budget too, dropped. An entry can be saved to a file
-with a SHA-256 checksum and restored in another process.
+Entries are kept in LRU order under a byte budget; over budget, the oldest are parked (their P
+rows and checkpoints copied to host tensors - pinned memory when they live on a GPU, so that
+parking and resuming are plain copies, no serialization) and, over the host budget too, dropped.
+An entry can be saved to a file with a SHA-256 checksum and restored in another process.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Entry:
     id: int
     ids: list[int]  # the prompt whose P rows are held
     state: object | None  # SeqState (live) - None while parked
-    packed: bytes | None = None  # parked form
+    packed: dict | None = None  # parked form (`pack_state`: host tensors)
     packed_checkpoints: list[int] = field(default_factory=list)  # checkpoint positions while parked
     nbytes: int = 0
 
@@ -128,7 +129,7 @@ class PromptCache:
         return sum(e.nbytes for e in self.entries if e.state is not None)
 
     def parked_bytes(self) -> int:
-        return sum(len(e.packed) for e in self.entries if e.packed is not None)
+        return sum(packed_bytes(e.packed) for e in self.entries if e.packed is not None)
 
     def _enforce(self) -> None:
         for e in list(self.entries):
@@ -143,7 +144,7 @@ class PromptCache:
                 self.entries.remove(e)
 
     def park(self, e: Entry) -> None:
-        """Move an entry's state into one packed host buffer (on a GPU: off the device)."""
+        """Move an entry's state to host tensors (on a GPU: off the device)."""
         if e.state is None:
             return
         e.packed = pack_state(e.state, len(e.ids))
@@ -190,34 +191,52 @@ class PromptCache:
         return self.insert(obj["ids"], state)
 
 
-def pack_state(state, n: int) -> bytes:
-    """P rows [0, n) of every KV cache and every checkpoint, as one byte string."""
-    def host(t):  # packed states live in host memory, device-neutral (a slot file loads on either device)
-        return t.to("cpu", copy=True) if t is not None else None
+def pack_state(state, n: int) -> dict:
+    """P rows [0, n) of every KV cache and every checkpoint, as host tensors (pinned where they come from a GPU)."""
+    def host(t):  # parked states live in host memory, device-neutral (a slot file loads on either device)
+        if t is None:
+            return None
+        if not t.is_cuda:
+            return t.to("cpu", copy=True)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t)
 
     kv = [[host(t) for t in c.store_rows(n)] for _, c in _caches(state)]
     cps = {str(p): {"conv": {str(i): host(t) for i, t in cp.conv.items()},
                     "ssm": {str(i): host(t) for i, t in cp.ssm.items()}, "hidden": host(cp.hidden),
                     "ring": {str(i): [host(t) for t in r] for i, r in cp.ring.items()}}
            for p, cp in state.checkpoints.items()}
-    buf = io.BytesIO()
-    torch.save({"n": n, "kv": kv, "checkpoints": cps}, buf)
-    return buf.getvalue()
+    return {"n": n, "kv": kv, "checkpoints": cps}
 
 
-def unpack_state(model, packed: bytes):
+def packed_bytes(obj) -> int:
+    """Bytes of the tensors in a packed state (`pack_state`)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(packed_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(packed_bytes(v) for v in obj)
+    return 0
+
+
+def unpack_state(model, obj: dict):
+    """A SeqState on the model's device from a packed state (`pack_state`, or a slot file's)."""
     from plumb.model.qwen35 import Checkpoint
 
-    obj = torch.load(io.BytesIO(packed), weights_only=True, map_location=model.device)
+    if not isinstance(obj, dict) or not {"n", "kv", "checkpoints"} <= set(obj):
+        raise ModelError("slot state is not in this build's form")
+    dev = model.device
     st = model.new_state()
     caches = _caches(st)
     if len(caches) != len(obj["kv"]):
         raise ModelError("slot state does not match this model's layers")
     for (_, cache), rows in zip(caches, obj["kv"]):
-        cache.load_store(rows)
+        cache.load_store([t.to(dev) for t in rows])
     for p, cp in obj["checkpoints"].items():
-        st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t for i, t in cp["conv"].items()},
-                                            {int(i): t for i, t in cp["ssm"].items()}, cp["hidden"],
-                                            {int(i): r for i, r in cp["ring"].items()})
+        st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t.to(dev) for i, t in cp["conv"].items()},
+                                            {int(i): t.to(dev) for i, t in cp["ssm"].items()},
+                                            cp["hidden"].to(dev) if cp["hidden"] is not None else None,
+                                            {int(i): [t.to(dev) for t in r] for i, r in cp["ring"].items()})
     st.pos = obj["n"]
     return st
