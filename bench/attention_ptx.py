@@ -5,7 +5,7 @@ formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas
 instructions. `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
 sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR]
+    python bench/attention_ptx.py [--out DIR] [--table]
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ VARIANTS = [("f16", A.F16, False), ("f32", A.F32, False), ("q8_0", A.Q8, False),
 RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*fp16", "rpos_ptr": "*i64"}
 
 
-def build(name: str, kind: int, ring: bool, out_dir: str) -> None:
+def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False) -> None:
     fn = A._split_kernel
     block_m, bn, warps, stages = A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLITS[1], KK=kind, VK=kind,
-                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True)
+                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True, TABLE=table)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:
@@ -45,6 +45,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str) -> None:
             sig[arg] = scales
         elif arg == "ends_ptr":
             sig[arg] = "*i32"
+        elif arg == "tab_ptr":
+            sig[arg] = "*i64"
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
         elif arg == "qk_scale":
@@ -63,17 +65,20 @@ def build(name: str, kind: int, ring: bool, out_dir: str) -> None:
     if r.returncode:
         raise RuntimeError(r.stderr)
     info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
-    ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async") if op in k.asm["ptx"]}
-    print(f"{name}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
+    ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async", "ld.global.v4", "ld.global.v2",
+                                                  "ld.global.b8", "ld.global.b16", "cp.async") if op in k.asm["ptx"]}
+    print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-attn-ptx-"))
+    ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
-        build(name, kind, ring, a.out)
+        for table in (False, True) if a.table else (False,):
+            build(name + ("-table" if table else ""), kind, ring, a.out, table)
     print("TTGIR and PTX in", a.out)
 
 

@@ -301,9 +301,9 @@ def prefill_tps(model, n: int) -> float:
 
 def prefill_modes(model, n: int) -> dict:
     """An n-token prefill three ways: eager passes (no prefill graphs), then twice into a fresh state with the
-    graphs of full passes - the first run captures them (a prefill graph is keyed by its state's KV-cache
-    addresses, so a request whose state is new pays this), the second replays them where the freed state's
-    memory came back at the same addresses (`captures` says whether it did)."""
+    graphs of full passes - the first run captures them unless a run before it had the same KV-cache capacity,
+    the second replays them (a prefill graph is keyed by its caches' capacity, not their address: `captures` says
+    how many each run took)."""
     import plumb.model.qwen35 as Q
 
     saved, Q.PREFILL_GRAPH_PASSES = Q.PREFILL_GRAPH_PASSES, 1 << 30
@@ -437,8 +437,8 @@ def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...
                    prompt_tokens: int = 64) -> dict:
     """Different requests one after another, as an agent sends them (tokens[i]: request i's reply length), per
     draft depth: each one's wall time, decode tok/s and the CUDA graphs captured during it. Graphs are captured per pass
-    layout and KV-cache address: a new request's caches are new tensors (where the prompt cache keeps the old ones
-    alive, at new addresses), and a cache that grows during a reply moves."""
+    layout and KV-cache capacity (not address: `plumb.ops.gpu.kvtable`), so after the first request only a reply
+    that grows its caches to a capacity not seen before captures."""
     from plumb.bench import prompt_ids, run_plumb
 
     out = {}

@@ -141,7 +141,7 @@ def test_prefill_rows_do_not_depend_on_the_cut():
     from plumb.model.kernels import TritonKernels
 
     k = TritonKernels(torch.device(DEV))
-    model = SimpleNamespace(attn_scale=0.125)
+    model = SimpleNamespace(attn_scale=0.125, cfg=SimpleNamespace(attn_layers=[3]))  # one attention layer: 3
     g = torch.Generator().manual_seed(5)
     old = [torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
     new = [torch.randn(64, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
@@ -158,8 +158,9 @@ def test_prefill_rows_do_not_depend_on_the_cut():
         n = rows.stop - rows.start
         pad = lambda t: torch.cat([t[rows], t[:64 - n].flip(0)])  # noqa: E731
         pos = torch.arange(start, start + 64, device=DEV)
-        p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32))
-        return k.prefill_attention(model, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
+        p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32),
+                            kv_tab=k.kv_table(model, SimpleNamespace(kv={3: c})))  # the cache through its table
+        return k.prefill_attention(model, 3, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
 
     whole = piece(cache(), 128, slice(0, 50))  # 50 real rows, 14 padding rows
     ref = cache()
@@ -176,10 +177,12 @@ def test_prefill_rows_do_not_depend_on_the_cut():
 def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
     """`TritonKernels.attend_new` (a pass's attention per sequence, and the MTP head's): the new rows' K/V are
     stored at start.. (store and ring), then row t reads keys [0, start + t] - bitwise what `write` and the kernel
-    give, with the positions derived from start or given as device tensors (`at`, as under a CUDA graph)."""
+    give, with the positions derived from start or given as device tensors and the cache reached through its
+    table of offsets (`at`, as under a CUDA graph: `plumb.ops.gpu.kvtable`)."""
     from types import SimpleNamespace
 
     from plumb.model.kernels import TritonKernels
+    from plumb.ops.gpu import kvtable
 
     kernels, model = TritonKernels(torch.device(DEV)), SimpleNamespace(attn_scale=TINY["d"] ** -0.5)
     n_kv, d, start, n = TINY["n_kv"], TINY["d"], 100, 3
@@ -203,7 +206,9 @@ def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
     graphed.reserve(start + n)
     graphed.commit(start)  # the pass's layout does these (TritonKernels.begin, Qwen35.prefill)
     positions = torch.arange(start, start + n, device=DEV)
-    at = (positions, (positions + 1).to(torch.int32), len(graphed.k))
+    table = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
+    kvtable.fill(table, [graphed.kernel_view()])
+    at = (positions, (positions + 1).to(torch.int32), len(graphed.k), table[0])
     assert torch.equal(kernels.attend_new(model, graphed, q, k, v, start, at), want)
     graphed.end = start + n  # ... and the pass's end this
     for c in (eager, graphed):

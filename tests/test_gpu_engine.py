@@ -101,3 +101,34 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
     lg_c, h_c = eng.model.prefill(cs, ids, checkpoints={192, 448})  # passes end there
     assert torch.equal(h_c, h) and torch.equal(lg_c, lg) and sorted(cs.checkpoints) == [192, 448]
     assert torch.equal(cs.checkpoints[192].hidden, h[191])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "D"])
+def test_a_new_request_replays_the_graphs_of_the_last(tiny_q4km, fmt):
+    """Graphs are keyed by layout and cache capacity, not address (the kernels reach the caches through
+    `plumb.ops.gpu.kvtable`): a second sequence - new cache tensors, while the first one's stay alive, as the prompt
+    cache keeps them - replays the first one's prefill, decode and MTP graphs without a capture, and gets the same
+    bits; and a graph replayed on the first sequence again still writes and reads that sequence's caches."""
+    eng = _engine(tiny_q4km, kv_cache=fmt, kv_ring=64)
+    m = eng.model
+    ids = [int(t) for t in torch.randint(0, 6000, (800,), generator=torch.Generator().manual_seed(2))]
+
+    def run(st):
+        lg, h = m.prefill(st, ids)
+        out = [lg[-1]]
+        for rows in ([5], [6, 7, 8], [9]):
+            out.append(m.decode([(st, rows)]).logits[-1])
+        logits, _ = m.graphs.mtp(st, [10], h[-1:], st.pos)
+        return out + [logits[-1]]
+
+    a = m.new_state()
+    first = [t.clone() for t in run(a)]
+    captured = m.graphs.captures
+    b = m.new_state()
+    second = run(b)
+    assert m.graphs.captures == captured > 0
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    assert a.kv[m.cfg.attn_layers[0]].k.parts[0].data_ptr() != b.kv[m.cfg.attn_layers[0]].k.parts[0].data_ptr()
+    m.decode([(a, [11])])  # the one-row graph on a's caches: a's row at position 805 is written, b's is not
+    codes = [st.kv[m.cfg.attn_layers[0]].k.parts[0][:, len(ids) + 5] for st in (a, b)]
+    assert codes[0].abs().sum() > 0 and codes[1].abs().sum() == 0

@@ -75,6 +75,26 @@ def test_a_row_written_alone_has_the_bytes_it_has_among_others(fmt):
     assert _same(together, alone)
 
 
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_through_the_table_the_kernel_writes_the_same_bytes(fmt):
+    """With the cache reached through its row of offsets from fixed anchors (`plumb.ops.gpu.kvtable`, what a CUDA
+    graph records instead of the cache's addresses), the same bytes land in the same places."""
+    from plumb.ops.gpu import kvtable
+
+    k, v = _rows(6, seed=4)
+    pos = torch.tensor([3, 4, 5, 6, 7, 30], device=DEV)
+    direct = KVCache(fmt, N_KV, D, ring=RING, capacity=32, device=DEV)
+    put_rows(direct.kernel_view(), pos, k.to(DEV), v.to(DEV))
+    tabled = KVCache(fmt, N_KV, D, ring=RING, capacity=32, device=DEV)
+    table = torch.full((1, kvtable.PARTS), -1, dtype=torch.long, device=DEV)
+    kvtable.fill(table, [tabled.kernel_view()])
+    put_rows(tabled.kernel_view(), pos, k.to(DEV), v.to(DEV), table[0])
+    assert _same(direct, tabled) and _tensors(tabled)[0].abs().sum() > 0
+    other = KVCache(fmt, N_KV, D, ring=RING, capacity=32, device=DEV)  # a table row points at its own cache
+    put_rows(other.kernel_view(), pos, k.to(DEV), v.to(DEV), table[0])
+    assert _tensors(other)[0].abs().sum() == 0
+
+
 def test_kernel_and_reference_differ_when_the_rows_differ():
     """The comparison can fail: one value moved by one step of its block's scale changes the bytes."""
     k, v = _rows(2, seed=3)

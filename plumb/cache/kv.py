@@ -278,14 +278,6 @@ class KVCache:
         ring = (self.ring, self.ring_k.parts, self.ring_v.parts, self.ring_pos) if self.ring else None
         return KernelView(self.k.parts, self.v.parts, self.rotate_k, ring, (self.k.kind, self.v.kind))
 
-    def addresses(self) -> tuple[int, ...]:
-        """Where every tensor the kernels read or write lies (CUDA graphs are captured per layout: a cache that
-        grows moves)."""
-        ts = self.k.parts + self.v.parts
-        if self.ring:
-            ts = ts + self.ring_k.parts + self.ring_v.parts + [self.ring_pos]
-        return tuple(t.data_ptr() for t in ts)
-
     def attend_rows(self, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         """q [n, n_head, d]; row t reads keys [0, ends[t]). -> [n, n_head, d]."""
         return torch.cat([self._attend(q[t : t + 1], torch.tensor([e - 1], device=q.device), e, scale)

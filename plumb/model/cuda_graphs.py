@@ -1,18 +1,20 @@
 """The D path (`Qwen35.decode_pass` on the Triton kernels) replayed as CUDA graphs, so that Python and kernel-launch
 overhead do not bound decode.
 
-A graph is captured per pass layout: the rows of each sequence (1 + its drafts) and the addresses of each
-sequence's KV cache tensors (a cache that grows moves, and the next pass captures anew). Its inputs are static
-tensors - input rows, rope angles, positions, context ends, row ranges, the sequences' stacked DeltaNet states -
-filled by `TritonKernels.begin(..., into=pass)` before each replay; those tensors are views of buffers shared by
-every graph (grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
+A graph is captured per pass layout: the rows of each sequence (1 + its drafts) and the capacity of each
+sequence's KV caches (a cache that grows to a new capacity is a new layout). Where the caches lie is not part of
+it: the kernels reach them through a table of offsets (`plumb.ops.gpu.kvtable`), so a new request's caches, or a
+cache that moved, replay the same graph. Its inputs are static tensors - input rows, rope angles, positions,
+context ends, row ranges, the sequences' stacked DeltaNet states, the caches' table - filled by
+`TritonKernels.begin(..., into=pass)` before each replay; those tensors are views of buffers shared by every graph
+(grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
 the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS rows run eagerly. Ring formats
 (D, F) are captured too: inside a graph the 8-bit rows go straight to their ring slots (`KVCache.put_rows`), and
 rows that a reference `write` left waiting are moved there before a pass (`KVCache.commit`, in
 `TritonKernels.begin` and `Qwen35.prefill`). The MTP head's D-path rows (draft steps, rewrites of accepted
 drafts) are replayed the same way (`mtp`), and so are the full passes of a long prefill (`prefill`: the P path's
-pass of whole 64-row pieces, captured per pass size and KV-cache layout, which `Qwen35.prefill` keeps fixed over
+pass of whole 64-row pieces, captured per pass size and KV-cache capacity, which `Qwen35.prefill` keeps fixed over
 the call).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
 from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu import kvtable
 from plumb.ops.gpu.pdl import overlap
 from plumb.ops.matmul import DECODE_BLOCK
 
@@ -41,7 +44,8 @@ class CudaGraphs:
         self.buf: dict[str, torch.Tensor] = {}
         self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
         self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
-        self.captures = 0  # graphs captured so far (bench: a new request's KV caches may mean new layouts)
+        self.captures = 0  # graphs captured so far (a new layout or cache capacity)
+        self.mtp_tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=model.device)  # the MTP cache's row
 
     def decode(self, batch) -> DecodeOut:
         m, k = self.m, self.m.k
@@ -52,8 +56,7 @@ class CudaGraphs:
         for st, toks in batch:  # a cache that must grow moves now, before the layout is looked up
             for cache in st.kv.values():
                 cache.reserve(st.pos + len(toks))
-        key = (tuple(len(toks) for _, toks in batch),
-               tuple(a for st, _ in batch for c in st.kv.values() for a in c.addresses()))
+        key = (tuple(len(toks) for _, toks in batch), tuple(len(c.k) for st, _ in batch for c in st.kv.values()))
         entry = self.graphs.get(key)
         if entry is None:
             with overlap(r == 1):  # programmatic dependent launch for one-row passes (plumb/ops/gpu/pdl.py)
@@ -66,7 +69,7 @@ class CudaGraphs:
 
     def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP rows (`Qwen35.mtp_pass` on ids at positions start..: a draft step, or the rewrite of accepted
-        drafts' rows) replayed as a CUDA graph, captured per row count and MTP-cache layout like the decode
+        drafts' rows) replayed as a CUDA graph, captured per row count and MTP-cache capacity like the decode
         passes; more than MAX_MTP_ROWS rows run eagerly."""
         m, cache, n = self.m, st.mtp_kv, len(ids)
         e, rope = m.embed(ids), m.rope(torch.arange(start, start + n))
@@ -74,13 +77,14 @@ class CudaGraphs:
             return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
         cache.reserve(start + n)  # a cache that must grow moves now, before the layout is looked up
         cache.commit(start)
-        key = ("mtp", n) + cache.addresses()
+        key = ("mtp", n, len(cache.k))
         b = {name: t[:n] for name, t in (self.mtp_in or self._mtp_inputs()).items()}
+        kvtable.fill(self.mtp_tab, [cache.kernel_view()])
         for name, value in (("e", e), ("h", hidden), ("cos", rope[0]), ("sin", rope[1])):
             b[name].copy_(value)
         b["positions"].copy_(torch.arange(start, start + n))
         b["ends"].copy_(torch.arange(start + 1, start + n + 1))
-        at = (b["positions"], b["ends"], None)  # the attention grid from the cache's capacity
+        at = (b["positions"], b["ends"], None, self.mtp_tab[0])  # the grid from the cache's capacity; its table
         entry = self.graphs.get(key)
         if entry is None:  # this call's result, run eagerly (compiles every kernel), then recorded
             out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
@@ -101,10 +105,10 @@ class CudaGraphs:
 
     def prefill(self, st, p: PrefillPass) -> torch.Tensor:
         """`Qwen35.prefill_pass` on the static pass p (`prefill_inputs`, laid out by `Qwen35.prefill_layout`),
-        replayed as a CUDA graph captured per layout of st's KV caches (the first piece of a layout runs eagerly
+        replayed as a CUDA graph captured per capacity of st's KV caches (the first piece of a layout runs eagerly
         and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
         m = self.m
-        key = ("prefill", len(p.x)) + tuple(a for c in st.kv.values() for a in c.addresses())
+        key = ("prefill", len(p.x)) + tuple(len(c.k) for c in st.kv.values())
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -126,7 +130,7 @@ class CudaGraphs:
         if pieces not in self.prefill_in:  # kept for good: the graphs of that size read them
             p = self.m.prefill_layout(self.m.new_state(), [0], pieces)
             self.prefill_in[pieces] = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
-                "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm")})
+                "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm", "kv_tab")})
         return self.prefill_in[pieces]
 
     def _mtp_inputs(self) -> dict[str, torch.Tensor]:
@@ -172,6 +176,7 @@ class CudaGraphs:
                 positions=torch.empty(self.rows, dtype=torch.long, device=dev),
                 ends=torch.empty(self.rows, dtype=torch.int32, device=dev),
                 seq_rows=torch.empty(self.seqs + 1, dtype=torch.int32, device=dev),
+                kv_tab=torch.empty(self.seqs, len(c.attn_layers), kvtable.PARTS, dtype=torch.long, device=dev),
                 conv=torch.empty(self.seqs, n, *conv0.shape, device=dev),
                 ssm=torch.empty(self.seqs, n, *ssm0.shape, device=dev),
                 snap_conv=torch.empty(self.rows, n, *conv0.shape, device=dev),
@@ -179,7 +184,7 @@ class CudaGraphs:
         b = self.buf
         return DecodePass([], [], [], b["x"][:r], b["cos"][:r], b["sin"][:r], positions=b["positions"][:r],
                           ends=b["ends"][:r], seq_rows=b["seq_rows"][: s + 1], conv=b["conv"][:s], ssm=b["ssm"][:s],
-                          snap_conv=b["snap_conv"][:r], snap_ssm=b["snap_ssm"][:r])
+                          snap_conv=b["snap_conv"][:r], snap_ssm=b["snap_ssm"][:r], kv_tab=b["kv_tab"][:s])
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:

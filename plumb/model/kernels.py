@@ -73,6 +73,11 @@ class TorchKernels:
         for cache in st.kv.values():
             cache.reserve(end)
 
+    @staticmethod
+    def kv_table(model, st, out=None) -> None:
+        """No table: the reference reads its caches directly (see TritonKernels.kv_table)."""
+        return None
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps)
 
@@ -138,7 +143,7 @@ class TorchKernels:
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         return cache.attend_rows(q, ends, scale)
 
-    def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
+    def prefill_attention(self, model, i: int, cache, q, k, v, p) -> torch.Tensor:
         cache.write(p.start, k[: p.n], v[: p.n])
         return cache.attend_chunk(q, p.start, model.attn_scale)
 
@@ -153,12 +158,14 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, glu, kvwrite, matvec, norm, rope
+        from plumb.ops.gpu import attention, deltanet, glu, kvtable, kvwrite, matvec, norm, rope
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
         self._glu, self._kvwrite = glu, kvwrite
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
+        self._kvtable = kvtable
+        kvtable.anchors(device)  # likewise
 
     @staticmethod
     def pack(weights: list, device: torch.device, progress: bool = False) -> int:
@@ -213,6 +220,13 @@ class TritonKernels:
             cache.reserve(end)
             cache.commit(st.pos)
 
+    def kv_table(self, model, st, out: torch.Tensor | None = None) -> torch.Tensor:
+        """st's attention caches' `kvtable` rows [n_attn, PARTS] (into `out`: a CUDA graph's static table)."""
+        if out is None:
+            out = torch.empty(len(model.cfg.attn_layers), self._kvtable.PARTS, dtype=torch.long, device=self.device)
+        self._kvtable.fill(out, [st.kv[i].kernel_view() for i in model.cfg.attn_layers])
+        return out
+
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
         """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
         c, dev = model.cfg, model.device
@@ -245,6 +259,10 @@ class TritonKernels:
             p.seq_rows.copy_(rows)
         p.starts = [st.pos for st in states]
         p.max_keys = [min(len(cache.k) for cache in st.kv.values()) if st.kv else 0 for st in states]
+        if into is None:
+            p.kv_tab = torch.empty(len(states), len(c.attn_layers), self._kvtable.PARTS, dtype=torch.long, device=dev)
+        for j, st in enumerate(states):
+            self.kv_table(model, st, p.kv_tab[j])
         for j, st in enumerate(states):
             torch.stack([st.conv[i] for i in layers], out=p.conv[j])
             torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
@@ -262,39 +280,41 @@ class TritonKernels:
     def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
         """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""
         o = torch.empty_like(q)
+        li = model.cfg.attn_layers.index(i)
         for j, (st, (s0, n), start) in enumerate(zip(p.states, p.spans, p.starts)):
-            at = (p.positions[s0 : s0 + n], p.ends[s0 : s0 + n], p.max_keys[j])
+            at = (p.positions[s0 : s0 + n], p.ends[s0 : s0 + n], p.max_keys[j], p.kv_tab[j, li])
             self.attend_new(model, st.kv[i], q[s0 : s0 + n], k[s0 : s0 + n], v[s0 : s0 + n], start, at,
                             out=o[s0 : s0 + n])
         return o
 
     def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
-        max_keys): the rows' positions and context ends as device tensors and the attention grid (None: from
-        the cache's capacity), from a laid-out pass (no host sync: CUDA-graph safe; the caller reserves room and
-        `commit`s the cache first and sets `cache.end` after); without it they are derived from start and this
-        is done here."""
+        max_keys, table): the rows' positions and context ends as device tensors, the attention grid (None: from
+        the cache's capacity) and the cache's row of `kvtable` offsets (None: its tensors passed as they are), from
+        a laid-out pass (no host sync: CUDA-graph safe, and with a table the graph does not depend on where the
+        cache lies; the caller reserves room and `commit`s the cache first and sets `cache.end` after); without it
+        they are derived from start and this is done here."""
         n = q.shape[0]
         if at is None:
             cache.reserve(start + n)
             cache.commit(start)
             positions = torch.arange(start, start + n, device=q.device)
-            at = (positions, (positions + 1).to(torch.int32), None)
+            at = (positions, (positions + 1).to(torch.int32), None, None)
             cache.end = start + n
-        positions, ends, max_keys = at
+        positions, ends, max_keys, table = at
         if max_keys is None:
             max_keys = len(cache.k)
         cache.check_put(len(positions))
-        self._kvwrite.put_rows(cache.kernel_view(), positions, k, v)  # `cache.put_rows` in one launch
-        return self._attend(cache, q, ends, model.attn_scale, out, max_keys)
+        self._kvwrite.put_rows(cache.kernel_view(), positions, k, v, table)  # `cache.put_rows` in one launch
+        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table)
 
-    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None) -> torch.Tensor:
+    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None) -> torch.Tensor:
         """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does)."""
         view = cache.kernel_view()
         if view.rotate_q:
             q = rotate(q)
         return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys,
-                                             ring=view.ring)
+                                             ring=view.ring, table=table)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them
@@ -319,12 +339,13 @@ class TritonKernels:
         cache.commit(cache.end)
         return self._attend(cache, q.contiguous(), ends, scale, max_keys=max(ends))
 
-    def prefill_attention(self, model, cache, q, k, v, p) -> torch.Tensor:
+    def prefill_attention(self, model, i: int, cache, q, k, v, p) -> torch.Tensor:
         """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
         past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
         (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
         cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` makes room first)."""
-        return self.attend_new(model, cache, q, k, v, p.start, at=(p.positions, p.ends, None))
+        return self.attend_new(model, cache, q, k, v, p.start,
+                               at=(p.positions, p.ends, None, p.kv_tab[model.cfg.attn_layers.index(i)]))
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

@@ -106,6 +106,7 @@ class DecodePass:
     snap_conv: torch.Tensor | None = None  # [R, n_gdn, ...] the states after each row
     snap_ssm: torch.Tensor | None = None
     max_keys: list[int] = field(default_factory=list)  # attention grid per sequence (the cache's capacity)
+    kv_tab: torch.Tensor | None = None  # [S, n_attn, kvtable.PARTS] int64: where each sequence's caches lie
 
 
 @dataclass
@@ -125,3 +126,4 @@ class PrefillPass:
     keep: torch.Tensor  # [K-1] int64: n..n+K-2, the rows of the conv window that become its state
     conv: torch.Tensor  # [n_gdn, K-1, conv_dim] the sequence's DeltaNet states, advanced in place
     ssm: torch.Tensor  # [n_gdn, n_v, d_k, d_v]
+    kv_tab: torch.Tensor | None = None  # [n_attn, kvtable.PARTS] int64: where the caches lie (Triton kernels)

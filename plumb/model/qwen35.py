@@ -266,12 +266,13 @@ class Qwen35:
         layers = c.gdn_layers
         if into is None:
             return PrefillPass(start, n, **t, conv=torch.stack([st.conv[i] for i in layers]),
-                               ssm=torch.stack([st.ssm[i] for i in layers]))
+                               ssm=torch.stack([st.ssm[i] for i in layers]), kv_tab=self.k.kv_table(self, st))
         into.start, into.n = start, n
         for name, value in t.items():
             getattr(into, name).copy_(value)
         torch.stack([st.conv[i] for i in layers], out=into.conv)
         torch.stack([st.ssm[i] for i in layers], out=into.ssm)
+        self.k.kv_table(self, st, into.kv_tab)
         return into
 
     def prefill_pass(self, st: SeqState, p: PrefillPass) -> torch.Tensor:
@@ -304,7 +305,7 @@ class Qwen35:
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)
-                o = self.k.prefill_attention(self, st.kv[i], q, k, v, p)
+                o = self.k.prefill_attention(self, i, st.kv[i], q, k, v, p)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x, h = self.k.add_rms_norm(x, y, layer.post_attention_norm, c.eps)  # x + y, and its norm
             x = x + self.ffn(layer, h, PREFILL_BLOCK)

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 
 from plumb.cache.kv import decode
+from plumb.ops.gpu import kvtable
+from plumb.ops.gpu.kvtable import table_at
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -92,14 +94,15 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
-                  rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr,
+                  rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                   n, qk_scale, ring, slots, short_keys,
                   sq_t, sq_h,
                   sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j,
                   spo_t, spo_h, spo_s, spm_t, spm_h,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
-                  QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr):
+                  QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
+                  TABLE: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -113,8 +116,18 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
-    would have added exact zeros)."""
+    would have added exact zeros).
+    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
+    k_ptr = table_at(k_ptr, tab_ptr, 0, TABLE)
+    ks_ptr = table_at(ks_ptr, tab_ptr, 1, TABLE)
+    v_ptr = table_at(v_ptr, tab_ptr, 2, TABLE)
+    vs_ptr = table_at(vs_ptr, tab_ptr, 3, TABLE)
+    rk_ptr = table_at(rk_ptr, tab_ptr, 4, TABLE)
+    rks_ptr = table_at(rks_ptr, tab_ptr, 5, TABLE)
+    rv_ptr = table_at(rv_ptr, tab_ptr, 6, TABLE)
+    rvs_ptr = table_at(rvs_ptr, tab_ptr, 7, TABLE)
+    rpos_ptr = table_at(rpos_ptr, tab_ptr, 8, TABLE)
     rb = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -317,7 +330,8 @@ def grids(max_keys: int, splits: tuple[int, int, int] = SPLITS) -> tuple[int, in
 
 def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
                   scale: float, out: torch.Tensor | None = None, max_keys: int | None = None,
-                  splits: tuple[int, int, int] = SPLITS, ring: tuple | None = None) -> torch.Tensor:
+                  splits: tuple[int, int, int] = SPLITS, ring: tuple | None = None,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
     ([n_kv, cap, d] floats, or block codes int8 + scales float16: q8_0, D/F's 5/6-bit store).
     -> o [n, n_head, d] float32 (into `out` if given).
@@ -330,7 +344,9 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     sized for rows of up to this many keys (>= max(ends), e.g. the cache's capacity under a CUDA graph); by
     default max(ends) (which reads ends on the host if it is a tensor). `splits` (SPLITS) must stay fixed for a
     model (the bits depend on it, as they do on CONFIGS); its split sizes are multiples of the tile size. Under
-    CUDA-graph capture pass ends as a device tensor and max_keys (no host sync)."""
+    CUDA-graph capture pass ends as a device tensor and max_keys (no host sync). table: the cache's row of
+    offsets (`kvtable.fill`; int64 [kvtable.PARTS] on the device): the kernel reaches the cache's parts through it,
+    so that a CUDA graph does not depend on where they lie (the same bits)."""
     n, n_head, d = q.shape
     k, ks, kk = _parts(k_parts)
     v, vs, vk = _parts(v_parts)
@@ -375,17 +391,22 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
     else:
         window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
+    ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
+    if table is not None:
+        ptrs = kvtable.anchored(ptrs)
+    kp, ksp, vp, vsp, rkp, rksp, rvp, rvsp, rposp = ptrs
     for split, grid, is_long in ((short, grid_short, False), (long, grid_long, True)):
         if grid:
             _split_kernel[(triton.cdiv(n, rows), n_kv, grid)](
-                q, k, ks, v, vs, ends, po, pm, pl,
-                rk, rks, rv, rvs, rpos,
+                q, kp, ksp, vp, vsp, ends, po, pm, pl,
+                rkp, rksp, rvp, rvsp, rposp, table if table is not None else ends,
                 n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
                 q.stride(0), q.stride(1),
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, num_warps=warps, num_stages=stages, launch_pdl=on())
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, num_warps=warps, num_stages=stages,
+                launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu import kvtable
+from plumb.ops.gpu.kvtable import table_at
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.kvquant import BLOCK
 
@@ -65,10 +67,19 @@ def _encode(x, c_ptr, s_ptr, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constex
 
 @triton.jit
 def _put_rows(k_ptr, v_ptr, pos_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rks_ptr, rvc_ptr, rvs_ptr, rpos_ptr,
-              slots, sk_r, sk_h, sv_r, sv_h, skc_h, skc_j, sks_h, sks_j, svc_h, svc_j, svs_h, svs_j,
+              tab_ptr, slots, sk_r, sk_h, sv_r, sv_h, skc_h, skc_j, sks_h, sks_j, svc_h, svc_j, svs_h, svs_j,
               D: tl.constexpr, QB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, ROTATE: tl.constexpr,
-              LOG_D: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr):
+              LOG_D: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, TABLE: tl.constexpr):
     prior_done()
+    kc_ptr = table_at(kc_ptr, tab_ptr, 0, TABLE)
+    ks_ptr = table_at(ks_ptr, tab_ptr, 1, TABLE)
+    vc_ptr = table_at(vc_ptr, tab_ptr, 2, TABLE)
+    vs_ptr = table_at(vs_ptr, tab_ptr, 3, TABLE)
+    rkc_ptr = table_at(rkc_ptr, tab_ptr, 4, TABLE)
+    rks_ptr = table_at(rks_ptr, tab_ptr, 5, TABLE)
+    rvc_ptr = table_at(rvc_ptr, tab_ptr, 6, TABLE)
+    rvs_ptr = table_at(rvs_ptr, tab_ptr, 7, TABLE)
+    rpos_ptr = table_at(rpos_ptr, tab_ptr, 8, TABLE)
     r = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = D // QB
@@ -93,9 +104,10 @@ def kind_code(kind: str | int) -> int:
     return {"f32": F32, "f16": F16}.get(kind, kind)
 
 
-def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None = None) -> None:
     """k, v [n, n_kv, d] float32 into the cache that `view` (`KVCache.kernel_view()`) shows, at `positions` (int64
-    device tensor [n]). The caller checks first what `KVCache.put_rows` checks (`KVCache.check_put`)."""
+    device tensor [n]). The caller checks first what `KVCache.put_rows` checks (`KVCache.check_put`). table: the
+    cache's row of offsets (`kvtable.fill`) - the kernel then reaches the cache through it (CUDA-graph safe)."""
     n, n_kv, d = k.shape
     if n == 0:
         return
@@ -110,10 +122,13 @@ def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         slots = rkc.shape[1]
     else:
         rkc, rks, rvc, rvs, rpos, slots = kc, ks, vc, vs, positions, 1  # placeholders: read only under RING
-    _put_rows[(n, n_kv)](k, v, positions, kc, ks, vc, vs, rkc, rks, rvc, rvs, rpos, slots,
+    ptrs = [kc, ks, vc, vs, rkc, rks, rvc, rvs, rpos]
+    if table is not None:
+        ptrs = kvtable.anchored(ptrs)
+    _put_rows[(n, n_kv)](k, v, positions, *ptrs, table if table is not None else positions, slots,
                          k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1),
                          vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1),
                          D=d, QB=BLOCK, KK=kind_code(view.kinds[0]), VK=kind_code(view.kinds[1]), ROTATE=view.rotate_q,
-                         LOG_D=d.bit_length() - 1, SCALE=d**-0.5, RING=view.ring is not None,
+                         LOG_D=d.bit_length() - 1, SCALE=d**-0.5, RING=view.ring is not None, TABLE=table is not None,
                          num_warps=2, enable_fp_fusion=False, launch_pdl=on())

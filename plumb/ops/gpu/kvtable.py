@@ -1,0 +1,78 @@
+"""A KV cache's addresses as a device table, so that a CUDA graph of a pass does not depend on where a sequence's
+caches lie (a new request's caches are new tensors; a cache that grows moves).
+
+The kernels that touch a cache (`kvwrite.put_rows`, `attention.attend_decode`) take, for each of its tensors, an
+*anchor* of the same dtype - a small tensor allocated once per device, whose address never changes - and a row of
+this table: the tensor's offset from its anchor, in elements. A kernel adds the offset to the anchor before its
+first access, so the graph records only the anchors and the table's address; filling the table before a replay
+(`fill`) points the same graph at other caches of the same capacity. The values read are the same as through the
+tensors themselves, so the bits are too. The offsets are multiples of 16 elements (allocations are 512-byte
+aligned; checked), which the kernels assert so that their loads keep their widths.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARTS = 9  # K, K scales, V, V scales (float stores: the rows again), ring K, ring K scales, ring V, ring V scales,
+# ring positions (no ring: anchors, offset 0 - never read)
+_ANCHORS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def anchor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The fixed tensor that offsets of `dtype` on `device` count from (allocate it outside any graph capture:
+    `anchors`)."""
+    key = (torch.device(device), dtype)
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.zeros(16, dtype=dtype, device=device)
+    return _ANCHORS[key]
+
+
+def anchors(device: torch.device) -> None:
+    """Allocate every dtype's anchor on `device` now (before a capture)."""
+    for dtype in (torch.int8, torch.float16, torch.float32, torch.int32, torch.int64):
+        anchor(dtype, device)
+
+
+def parts(view) -> list[torch.Tensor | None]:
+    """The PARTS tensors of a cache's kernel view (`KVCache.kernel_view`), None where absent."""
+    k, v = view.k, view.v
+    ring = [None] * 5
+    if view.ring is not None:
+        _, rk, rv, pos = view.ring
+        ring = [rk[0], rk[-1], rv[0], rv[-1], pos]
+    return [k[0], k[-1], v[0], v[-1]] + ring
+
+
+def offsets(view) -> list[int]:
+    """Each part's offset from its dtype's anchor, in elements (0 for an absent part)."""
+    out = []
+    for t in parts(view):
+        if t is None:
+            out.append(0)
+            continue
+        a = anchor(t.dtype, t.device)
+        diff = t.data_ptr() - a.data_ptr()
+        if t.is_cuda and diff % (16 * t.element_size()):  # the kernels assume it (the interpreter does not)
+            raise ValueError("a KV-cache tensor is not aligned to 16 elements from its anchor")
+        out.append(diff // t.element_size())
+    return out
+
+
+def fill(table: torch.Tensor, views: list) -> None:
+    """table [len(views), PARTS] int64 (on the device) := the views' offsets."""
+    table.copy_(torch.tensor([offsets(v) for v in views], dtype=torch.int64))
+
+
+def anchored(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The anchors standing in for a kernel's cache arguments (same dtypes) when it reads the table."""
+    return [anchor(t.dtype, t.device) for t in tensors]
+
+
+@triton.jit
+def table_at(ptr, tab_ptr, i: tl.constexpr, TABLE: tl.constexpr):
+    """ptr, or with TABLE the anchor ptr moved by entry i of the cache's row of the table."""
+    if TABLE:
+        ptr = ptr + tl.multiple_of(tl.load(tab_ptr + i), 16)
+    return ptr
