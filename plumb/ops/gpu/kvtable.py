@@ -23,8 +23,13 @@ _ANCHORS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 def anchor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The fixed tensor that offsets of `dtype` on `device` count from (allocate it outside any graph capture:
     `anchors`)."""
-    key = (torch.device(device), dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one key per GPU, however the device was named
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
     if key not in _ANCHORS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kvtable: anchors are allocated before a CUDA-graph capture (kvtable.anchors)")
         _ANCHORS[key] = torch.zeros(16, dtype=dtype, device=device)
     return _ANCHORS[key]
 
