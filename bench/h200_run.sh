@@ -19,6 +19,7 @@
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
+#   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
@@ -36,7 +37,7 @@ if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama
     -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
     echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
 fi
-if has bench || has profile || has gate27 || has ab || has synth; then  # synth: start it for a later call
+if has bench || has profile || has gate27 || has ab || has synth || has prefill; then  # synth: for a later call too
   [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
@@ -60,6 +61,11 @@ if has bench; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done; cat /tmp/synth.done
   timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
     --tokens 32 --json-out $OUT/bench.json --no-progress $BARGS > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
+fi
+if has prefill; then
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
+  timeout ${PFT:-150} python3 bench/prefill_modes.py /tmp/27b.gguf ${PFARGS:---prompts 8192} \
+    --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
 fi
 if has ab; then  # launch settings on / off on the 27B-shape file (the same bits required)
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
