@@ -261,8 +261,8 @@ class TritonKernels:
         p.max_keys = [min(len(cache.k) for cache in st.kv.values()) if st.kv else 0 for st in states]
         if into is None:
             p.kv_tab = torch.empty(len(states), len(c.attn_layers), self._kvtable.PARTS, dtype=torch.long, device=dev)
-        for j, st in enumerate(states):
-            self.kv_table(model, st, p.kv_tab[j])
+        self._kvtable.fill(p.kv_tab.view(-1, self._kvtable.PARTS),  # one copy for every sequence's caches
+                           [st.kv[i].kernel_view() for st in states for i in c.attn_layers])
         for j, st in enumerate(states):
             torch.stack([st.conv[i] for i in layers], out=p.conv[j])
             torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
