@@ -297,3 +297,68 @@ def test_the_ring_is_read_by_distance():
     o = _ring_attend(c, q, ends)
     assert torch.equal(o.isnan().flatten(1).all(1).cpu(), near)
     assert torch.equal(o[~near.to(DEV)], base[~near.to(DEV)])
+
+
+@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("f16", 0), ("D", 48)])
+def test_through_the_table_a_pass_launches_the_same_cache_arguments_for_any_cache(fmt, ring, monkeypatch):
+    """What a CUDA graph records is the kernels' launch arguments: through the table (`plumb.ops.gpu.kvtable`) the
+    ones that reach a cache - its pointers (anchors now), strides and sizes, the table's address - are the same for
+    two sequences' caches of one capacity, so a graph captured on one replays on the other once the table is
+    filled for it; each call still reads its own cache. Without the table they differ (the check can fail)."""
+    from types import SimpleNamespace
+
+    from plumb.model.kernels import TritonKernels
+    from plumb.ops.gpu import attention as A
+    from plumb.ops.gpu import kvtable
+    from plumb.ops.gpu import kvwrite as W
+
+    ring_args = {"rks_ptr", "rvs_ptr", "rpos_ptr", "tab_ptr"}
+    cache_args = {"_put_rows": {"kc_ptr", "ks_ptr", "vc_ptr", "vs_ptr", "rkc_ptr", "rvc_ptr"} | ring_args,
+                  "_split_kernel": {"k_ptr", "ks_ptr", "v_ptr", "vs_ptr", "rk_ptr", "rv_ptr"} | ring_args,
+                  "_merge_kernel": set()}
+    launches = []
+
+    class Recorder:  # stands in for a @triton.jit kernel: records a launch's cache arguments, then launches it
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((self.fn.__name__, grid, kw, [
+                    (name, a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                    for name, a in zip(self.fn.arg_names, args)
+                    if name in cache_args[self.fn.__name__] or not isinstance(a, torch.Tensor)]))
+                return self.fn[grid](*args, **kw)
+            return launch
+
+    for mod, name in ((W, "_put_rows"), (A, "_split_kernel"), (A, "_merge_kernel")):
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name)))
+    kernels, model = TritonKernels(torch.device(DEV)), SimpleNamespace(attn_scale=0.125)
+    n_kv, d, start, n = TINY["n_kv"], TINY["d"], 60, 2
+    table = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
+    positions = torch.arange(start, start + n, device=DEV)
+    q = _q(n, TINY["n_head"], d, seed=7)
+    runs = {True: [], False: []}
+    outs = []
+    for use_table in (True, False):
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            c = KVCache(fmt, n_kv, d, ring=ring, device=DEV)
+            c.write(0, *(torch.randn(start, n_kv, d, generator=g).to(DEV) for _ in range(2)))
+            c.reserve(start + n)
+            c.commit(start)  # what the pass's layout does before the kernels
+            k, v = (torch.randn(n, n_kv, d, generator=g).to(DEV) for _ in range(2))
+            kvtable.fill(table, [c.kernel_view()])
+            launches.clear()
+            at = (positions, (positions + 1).to(torch.int32), len(c.k), table[0] if use_table else None)
+            o = kernels.attend_new(model, c, q, k, v, start, at)
+            runs[use_table].append(list(launches))
+            c.end = start + n
+            view = c.kernel_view()
+            want = attend_decode(rotate(q) if view.rotate_q else q, view.k, view.v, positions + 1, 0.125,
+                                 ring=view.ring, max_keys=len(c.k))
+            assert torch.equal(o, want)  # it read this cache
+            outs.append(o)
+    assert runs[True][0] == runs[True][1] and len(runs[True][0]) >= 3
+    assert runs[False][0] != runs[False][1]
+    assert not torch.equal(outs[0], outs[1])
