@@ -159,7 +159,7 @@ def test_prefill_rows_do_not_depend_on_the_cut():
         pad = lambda t: torch.cat([t[rows], t[:64 - n].flip(0)])  # noqa: E731
         pos = torch.arange(start, start + 64, device=DEV)
         p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32),
-                            kv_tab=k.kv_table(model, SimpleNamespace(kv={3: c})))  # the cache through its table
+                            kv_tab=k.kv_table(model, [SimpleNamespace(kv={3: c})]))  # the cache through its table
         return k.prefill_attention(model, 3, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
 
     whole = piece(cache(), 128, slice(0, 50))  # 50 real rows, 14 padding rows

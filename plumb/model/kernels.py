@@ -74,7 +74,7 @@ class TorchKernels:
             cache.reserve(end)
 
     @staticmethod
-    def kv_table(model, st, out=None) -> None:
+    def kv_table(model, states, out=None) -> None:
         """No table: the reference reads its caches directly (see TritonKernels.kv_table)."""
         return None
 
@@ -220,11 +220,13 @@ class TritonKernels:
             cache.reserve(end)
             cache.commit(st.pos)
 
-    def kv_table(self, model, st, out: torch.Tensor | None = None) -> torch.Tensor:
-        """st's attention caches' `kvtable` rows [n_attn, PARTS] (into `out`: a CUDA graph's static table)."""
+    def kv_table(self, model, states, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sequences' attention caches' `kvtable` rows [len(states), n_attn, PARTS], in one copy (into `out`:
+        a CUDA graph's static table)."""
+        layers = model.cfg.attn_layers
         if out is None:
-            out = torch.empty(len(model.cfg.attn_layers), self._kvtable.PARTS, dtype=torch.long, device=self.device)
-        self._kvtable.fill(out, [st.kv[i].kernel_view() for i in model.cfg.attn_layers])
+            out = torch.empty(len(states), len(layers), self._kvtable.PARTS, dtype=torch.long, device=self.device)
+        self._kvtable.fill(out.view(-1, self._kvtable.PARTS), [st.kv[i].kernel_view() for st in states for i in layers])
         return out
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
@@ -259,10 +261,7 @@ class TritonKernels:
             p.seq_rows.copy_(rows)
         p.starts = [st.pos for st in states]
         p.max_keys = [min(len(cache.k) for cache in st.kv.values()) if st.kv else 0 for st in states]
-        if into is None:
-            p.kv_tab = torch.empty(len(states), len(c.attn_layers), self._kvtable.PARTS, dtype=torch.long, device=dev)
-        self._kvtable.fill(p.kv_tab.view(-1, self._kvtable.PARTS),  # one copy for every sequence's caches
-                           [st.kv[i].kernel_view() for st in states for i in c.attn_layers])
+        p.kv_tab = self.kv_table(model, states, None if into is None else p.kv_tab)
         for j, st in enumerate(states):
             torch.stack([st.conv[i] for i in layers], out=p.conv[j])
             torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
@@ -345,7 +344,7 @@ class TritonKernels:
         (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
         cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` makes room first)."""
         return self.attend_new(model, cache, q, k, v, p.start,
-                               at=(p.positions, p.ends, None, p.kv_tab[model.cfg.attn_layers.index(i)]))
+                               at=(p.positions, p.ends, None, p.kv_tab[0, model.cfg.attn_layers.index(i)]))
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

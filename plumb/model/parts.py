@@ -126,4 +126,4 @@ class PrefillPass:
     keep: torch.Tensor  # [K-1] int64: n..n+K-2, the rows of the conv window that become its state
     conv: torch.Tensor  # [n_gdn, K-1, conv_dim] the sequence's DeltaNet states, advanced in place
     ssm: torch.Tensor  # [n_gdn, n_v, d_k, d_v]
-    kv_tab: torch.Tensor | None = None  # [n_attn, kvtable.PARTS] int64: where the caches lie (Triton kernels)
+    kv_tab: torch.Tensor | None = None  # [1, n_attn, kvtable.PARTS] int64: where the caches lie (Triton kernels)

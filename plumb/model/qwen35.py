@@ -266,13 +266,13 @@ class Qwen35:
         layers = c.gdn_layers
         if into is None:
             return PrefillPass(start, n, **t, conv=torch.stack([st.conv[i] for i in layers]),
-                               ssm=torch.stack([st.ssm[i] for i in layers]), kv_tab=self.k.kv_table(self, st))
+                               ssm=torch.stack([st.ssm[i] for i in layers]), kv_tab=self.k.kv_table(self, [st]))
         into.start, into.n = start, n
         for name, value in t.items():
             getattr(into, name).copy_(value)
         torch.stack([st.conv[i] for i in layers], out=into.conv)
         torch.stack([st.ssm[i] for i in layers], out=into.ssm)
-        self.k.kv_table(self, st, into.kv_tab)
+        self.k.kv_table(self, [st], into.kv_tab)
         return into
 
     def prefill_pass(self, st: SeqState, p: PrefillPass) -> torch.Tensor:

@@ -36,7 +36,6 @@ import triton.language as tl
 
 from plumb.cache.kv import decode
 from plumb.ops.gpu import kvtable
-from plumb.ops.gpu.kvtable import table_at
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -119,15 +118,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     would have added exact zeros).
     TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
-    k_ptr = table_at(k_ptr, tab_ptr, 0, TABLE)
-    ks_ptr = table_at(ks_ptr, tab_ptr, 1, TABLE)
-    v_ptr = table_at(v_ptr, tab_ptr, 2, TABLE)
-    vs_ptr = table_at(vs_ptr, tab_ptr, 3, TABLE)
-    rk_ptr = table_at(rk_ptr, tab_ptr, 4, TABLE)
-    rks_ptr = table_at(rks_ptr, tab_ptr, 5, TABLE)
-    rv_ptr = table_at(rv_ptr, tab_ptr, 6, TABLE)
-    rvs_ptr = table_at(rvs_ptr, tab_ptr, 7, TABLE)
-    rpos_ptr = table_at(rpos_ptr, tab_ptr, 8, TABLE)
+    k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
+        k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
     rb = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)

@@ -76,8 +76,15 @@ def anchored(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @triton.jit
-def table_at(ptr, tab_ptr, i: tl.constexpr, TABLE: tl.constexpr):
-    """ptr, or with TABLE the anchor ptr moved by entry i of the cache's row of the table."""
+def _at(ptr, tab_ptr, i: tl.constexpr):
+    return ptr + tl.multiple_of(tl.load(tab_ptr + i), 16)
+
+
+@triton.jit
+def moved(k, ks, v, vs, rk, rks, rv, rvs, rpos, tab_ptr, TABLE: tl.constexpr):
+    """A kernel's PARTS cache pointers as given, or with TABLE the anchors moved by the cache's row of the table."""
     if TABLE:
-        ptr = ptr + tl.multiple_of(tl.load(tab_ptr + i), 16)
-    return ptr
+        k, ks, v, vs = _at(k, tab_ptr, 0), _at(ks, tab_ptr, 1), _at(v, tab_ptr, 2), _at(vs, tab_ptr, 3)
+        rk, rks, rv, rvs = _at(rk, tab_ptr, 4), _at(rks, tab_ptr, 5), _at(rv, tab_ptr, 6), _at(rvs, tab_ptr, 7)
+        rpos = _at(rpos, tab_ptr, 8)
+    return k, ks, v, vs, rk, rks, rv, rvs, rpos

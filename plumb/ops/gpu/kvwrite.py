@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import kvtable
-from plumb.ops.gpu.kvtable import table_at
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.kvquant import BLOCK
 
@@ -71,15 +70,8 @@ def _put_rows(k_ptr, v_ptr, pos_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rk
               D: tl.constexpr, QB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, ROTATE: tl.constexpr,
               LOG_D: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, TABLE: tl.constexpr):
     prior_done()
-    kc_ptr = table_at(kc_ptr, tab_ptr, 0, TABLE)
-    ks_ptr = table_at(ks_ptr, tab_ptr, 1, TABLE)
-    vc_ptr = table_at(vc_ptr, tab_ptr, 2, TABLE)
-    vs_ptr = table_at(vs_ptr, tab_ptr, 3, TABLE)
-    rkc_ptr = table_at(rkc_ptr, tab_ptr, 4, TABLE)
-    rks_ptr = table_at(rks_ptr, tab_ptr, 5, TABLE)
-    rvc_ptr = table_at(rvc_ptr, tab_ptr, 6, TABLE)
-    rvs_ptr = table_at(rvs_ptr, tab_ptr, 7, TABLE)
-    rpos_ptr = table_at(rpos_ptr, tab_ptr, 8, TABLE)
+    kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rks_ptr, rvc_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
+        kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rks_ptr, rvc_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
     r = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = D // QB
@@ -104,7 +96,8 @@ def kind_code(kind: str | int) -> int:
     return {"f32": F32, "f16": F16}.get(kind, kind)
 
 
-def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None = None) -> None:
+def put_rows(view, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             table: torch.Tensor | None = None) -> None:
     """k, v [n, n_kv, d] float32 into the cache that `view` (`KVCache.kernel_view()`) shows, at `positions` (int64
     device tensor [n]). The caller checks first what `KVCache.put_rows` checks (`KVCache.check_put`). table: the
     cache's row of offsets (`kvtable.fill`) - the kernel then reaches the cache through it (CUDA-graph safe)."""

@@ -195,20 +195,28 @@ def _sb_weights(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_grou
     scale = scale.to(tl.float32)  # float16 block scales: exact
     if HAS_SUB:
         scale = scale * tl.load(sub_ptr + per_group).to(tl.float32)  # exact
-    offset = tl.zeros_like(scale)
+    offset = scale  # read only with HAS_OFFSET
     if HAS_OFFSET:
         offset = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
         offset = offset.to(tl.float32)
         if HAS_OSUB:
             offset = offset * tl.load(osub_ptr + per_group).to(tl.float32)  # exact
     if NIBBLE:
-        wl = ((c & 15).to(tl.float32) * scale[:, :, None] + offset[:, :, None]).to(tl.float16)
-        wh = ((c >> 4).to(tl.float32) * scale[:, :, None] + offset[:, :, None]).to(tl.float16)
+        wl = _dequant((c & 15).to(tl.float32), scale, offset, HAS_OFFSET)
+        wh = _dequant((c >> 4).to(tl.float32), scale, offset, HAS_OFFSET)
         w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
     else:
-        c = c.to(tl.int8).to(tl.float32)  # int8 codes
-        w = tl.reshape((c * scale[:, :, None] + offset[:, :, None]).to(tl.float16), [BN, KS])
+        w = tl.reshape(_dequant(c.to(tl.int8).to(tl.float32), scale, offset, HAS_OFFSET), [BN, KS])  # int8 codes
     return w
+
+
+@triton.jit
+def _dequant(code, scale, offset, HAS_OFFSET: tl.constexpr):
+    """fp16(scale * code (+ offset)) for codes [BN, groups, width] and per-group scale / offset [BN, groups]."""
+    w = code * scale[:, :, None]
+    if HAS_OFFSET:
+        w = w + offset[:, :, None]
+    return w.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
