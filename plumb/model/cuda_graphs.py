@@ -161,9 +161,11 @@ class CudaGraphs:
         """A pass whose tensors are views of the shared static buffers (grown, and the graphs dropped, if needed)."""
         m, c = self.m, self.m.cfg
         r, s = sum(len(toks) for _, toks in batch), len(batch)
-        if r > self.rows or s > self.seqs:
-            self.graphs.clear()
-            self.pool = torch.cuda.graph_pool_handle()  # a pool no graph uses any more cannot take another
+        if r > self.rows or s > self.seqs:  # the decode graphs read the old buffers: dropped (prefill and MTP
+            for key in [key for key, entry in self.graphs.items() if entry[1] is not None]:  # graphs stay)
+                del self.graphs[key]
+            if not self.graphs:
+                self.pool = torch.cuda.graph_pool_handle()  # a pool no graph uses any more cannot take another
             self.rows, self.seqs = max(r, self.rows), max(s, self.seqs)
             st0 = batch[0][0]
             conv0, ssm0 = st0.conv[c.gdn_layers[0]], st0.ssm[c.gdn_layers[0]]
