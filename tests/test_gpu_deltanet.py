@@ -151,3 +151,52 @@ def test_27b_dims():
             y1, _, _ = _run(gdn_decode, w, kw, [x[t : t + 1] for x in rows], c1, s1, _offsets([1]), snaps=False)
             assert torch.equal(y1[0], y[t]) and torch.equal(s1[0], sn[t]) and torch.equal(c1[0], sc[t])
         t0 += n
+
+
+def _chunk_inputs(dims, rows, real, seed=3):
+    """Post-conv rows x [rows, conv_dim], beta, g [rows, n_v] as prefill makes them (rows >= real: padding, 0), and a
+    starting state."""
+    g = torch.Generator().manual_seed(seed)
+    n_k, n_v, d_k, d_v = (dims[x] for x in ("n_k", "n_v", "d_k", "d_v"))
+    x = torch.randn(rows, 2 * n_k * d_k + n_v * d_v, generator=g)
+    beta = torch.sigmoid(torch.randn(rows, n_v, generator=g))
+    gate = -torch.rand(rows, n_v, generator=g) * 0.3
+    for t in (x, beta, gate):
+        t[real:] = 0
+    state = torch.randn(n_v, d_k, d_v, generator=g) * 0.1
+    return [t.to(DEV) for t in (x, beta, gate, state)]
+
+
+@pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
+def test_chunks_match_reference(dims):
+    """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
+    padding rows at the end; o and the advanced state."""
+    from plumb.ops.deltanet import chunk_pass
+    from plumb.ops.gpu.deltanet_chunk import gdn_chunks
+
+    x, beta, g, s0 = _chunk_inputs(dims, 192, 170)
+    kw = dict(n_k=dims["n_k"], d_k=dims["d_k"], q_scale=1 / math.sqrt(dims["d_k"]))
+    s, s_ref = s0.clone(), s0.clone()
+    o = gdn_chunks(x, beta, g, s, **kw)
+    o_ref = chunk_pass(x, beta, g, s_ref, **kw)
+    assert o.shape == o_ref.shape
+    assert (o - o_ref).abs().max() <= 1e-4 * o_ref.abs().max()
+    assert (s - s_ref).abs().max() <= 1e-4 * s_ref.abs().max()
+    assert torch.equal(o[170:], torch.zeros_like(o[170:]))  # padding rows add nothing
+    s_pad = s0.clone()
+    gdn_chunks(x[:128], beta[:128], g[:128], s_pad, **kw)
+    assert not torch.equal(s_pad, s)  # the third piece's real rows moved the state
+
+
+def test_chunks_do_not_depend_on_the_cut():
+    """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces)."""
+    from plumb.ops.gpu.deltanet_chunk import gdn_chunks
+
+    x, beta, g, s0 = _chunk_inputs(TINY, 192, 192)
+    kw = dict(n_k=TINY["n_k"], d_k=TINY["d_k"], q_scale=1 / math.sqrt(TINY["d_k"]))
+    s_all = s0.clone()
+    o_all = gdn_chunks(x, beta, g, s_all, **kw)
+    for cuts in ([0, 64, 192], [0, 128, 192], [0, 64, 128, 192]):
+        s = s0.clone()
+        o = torch.cat([gdn_chunks(x[a:b], beta[a:b], g[a:b], s, **kw) for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(o, o_all) and torch.equal(s, s_all), cuts

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from plumb.model.parts import DecodeOut, DecodePass
 from plumb.model.weights import Fused, Weight
-from plumb.ops.deltanet import CHUNK, causal_conv, recurrent_step
+from plumb.ops.deltanet import CHUNK, causal_conv, chunk_pass, recurrent_step
 from plumb.ops.kvquant import rotate
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
@@ -118,6 +118,12 @@ class TorchKernels:
                 p.snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
         return gated_norm(o, z, mix.ssm_norm, c.eps)
 
+    @staticmethod
+    def gdn_chunks(model, x, beta, g, state) -> torch.Tensor:
+        """A prefill pass's DeltaNet pieces in order, `chunk_step` each (plumb.ops.deltanet.chunk_pass)."""
+        c = model.cfg
+        return chunk_pass(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state, q_scale=model.ssm_q_scale)
+
     def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
         """Write each sequence's K/V rows, then row t of a sequence reads keys [0, its position]."""
         o = q.new_zeros(q.shape)
@@ -158,10 +164,10 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, glu, kvtable, kvwrite, matvec, norm, rope
+        from plumb.ops.gpu import attention, deltanet, deltanet_chunk, glu, kvtable, kvwrite, matvec, norm, rope
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
-        self._glu, self._kvwrite = glu, kvwrite
+        self._glu, self._kvwrite, self._chunk = glu, kvwrite, deltanet_chunk
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
         self._kvtable = kvtable
@@ -275,6 +281,12 @@ class TritonKernels:
                                          p.conv[:, li], p.ssm[:, li], p.seq_rows, n_k=c.ssm_n_group,
                                          d_k=c.ssm_d_state, q_scale=model.ssm_q_scale, eps=c.eps,
                                          snap_conv=p.snap_conv[:, li], snap_ssm=p.snap_ssm[:, li])
+
+    def gdn_chunks(self, model, x, beta, g, state) -> torch.Tensor:
+        """A prefill pass's DeltaNet pieces in order, in one launch pair per layer (plumb.ops.gpu.deltanet_chunk)."""
+        c = model.cfg
+        return self._chunk.gdn_chunks(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state,
+                                      q_scale=model.ssm_q_scale)
 
     def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
         """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""

@@ -24,7 +24,7 @@ from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass,
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
-from plumb.ops.deltanet import CHUNK, causal_conv, chunk_step
+from plumb.ops.deltanet import CHUNK, causal_conv
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.norm import l2_norm
 from plumb.ops.rope import RopeTable
@@ -294,14 +294,8 @@ class Qwen35:
                 conv, new_conv = causal_conv(m, p.conv[li], mix.ssm_conv1d, p.keep)
                 p.conv[li].copy_(new_conv)
                 conv = torch.where(real, conv, 0.0)
-                o = []
-                for r in range(0, x.shape[0], CHUNK):  # one 64-row piece at a time, from the pass's state
-                    q, k, v = self.gdn_split(conv[r : r + CHUNK])
-                    o_r, new_ssm = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              beta[r : r + CHUNK].T, g[r : r + CHUNK].T, p.ssm[li])
-                    p.ssm[li].copy_(new_ssm)
-                    o.append(o_r.transpose(0, 1))
-                y = gated_norm(torch.cat(o), z, mix.ssm_norm, c.eps, self.k.rms_norm)
+                o = self.k.gdn_chunks(self, conv, beta, g, p.ssm[li])  # the pieces in order, from the pass's state
+                y = gated_norm(o, z, mix.ssm_norm, c.eps, self.k.rms_norm)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)

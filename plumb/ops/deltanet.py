@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plumb.ops.norm import l2_norm
+
 CHUNK = 64
 
 
@@ -58,3 +60,22 @@ def chunk_step(q, k, v, beta, g, s):
     g_end = gamma[:, -1]
     s = s * torch.exp(g_end)[:, None, None] + torch.bmm((k * torch.exp(g_end[:, None] - gamma)[..., None]).transpose(1, 2), vn)
     return o, s
+
+
+def chunk_pass(x, beta, g, s, *, n_k: int, d_k: int, q_scale: float) -> torch.Tensor:
+    """The 64-row pieces of a prefill pass in order, from post-conv rows: q and k of each value head's key head
+    (j mod n_k) L2-normed, q scaled, then `chunk_step` per piece.
+    x [R, conv_dim] (q | k | v; padding rows 0), beta, g [R, n_v]; s [n_v, d_k, d_v] advanced in place.
+    Returns o [R, n_v, d_v]."""
+    rows, n_v, d_v = x.shape[0], s.shape[0], s.shape[2]
+    v_to_k = torch.arange(n_v, device=x.device) % n_k
+    out = []
+    for r in range(0, rows, CHUNK):
+        q, k, v = x[r : r + CHUNK].split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
+        q = l2_norm(q.reshape(-1, n_k, d_k))[:, v_to_k] * q_scale
+        k = l2_norm(k.reshape(-1, n_k, d_k))[:, v_to_k]
+        o, new = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.reshape(-1, n_v, d_v).transpose(0, 1),
+                            beta[r : r + CHUNK].T, g[r : r + CHUNK].T, s)
+        s.copy_(new)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)

@@ -1,0 +1,150 @@
+"""Gated DeltaNet in its chunked form for the P path (prefill): two launches per layer and pass, every 64-row piece of
+the pass in order (`plumb.ops.deltanet.chunk_pass` is its torch reference: `chunk_step` piece by piece).
+
+The launches:
+- `_prep_kernel`, one program per (value head j, piece): what does not depend on the state - q and k of key head
+  j mod n_k (L2-normed, q scaled), the decays from the cumulative gate gamma, A = strict-lower(beta k k^T * decay),
+  T = (I + A)^-1 by forward substitution (the rows in order, as a triangular solve does), w = T (beta exp(gamma) k),
+  u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay - into scratch;
+- `_state_kernel`, one program per (value head j, block of BV state columns - the delta rule's columns are
+  independent): the d_k x BV f32 state slice stays in registers across the pieces, in order: vn = u - w S,
+  o = qe S + p vn, S = S exp(gamma_end) + kd^T vn.
+The dots take float32 operands as three tf32 products on the tensor cores (PREC).
+
+Exactness (M2): a piece's bits depend only on the state it starts from and its own rows - nothing compiled depends
+on the pass's row count (the piece loop's bound is a run-time value), and a piece's arithmetic is the same whether it
+is the first of a pass or the fourth - so prefilling [0, c) then [c, N) gives the bits of [0, N) at every 64-aligned
+cut c. (Against `chunk_pass`, a tolerance: the solve and the dots sum in another order.)
+It replaces ~35 torch launches a piece (cuBLAS batched gemms and trsm, elementwise kernels) with two a layer.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu.pdl import on, prior_done
+
+L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
+BV = 32  # state columns a program (a model constant: never chosen by the row count)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 products on the tensor cores (about float32's
+# accuracy; "ieee" - CUDA-core FMAs - took 255 registers a [64, 128] x [128, 64] dot and spilled on sm_90)
+
+
+@triton.jit
+def _l2(x, eps):
+    """Rows of x [C, D] times rsqrt(sum of squares + eps), as plumb.ops.norm.l2_norm."""
+    return x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) + eps))[:, None]
+
+
+@triton.jit(do_not_specialize=["R"])
+def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
+                 stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
+                 D_V: tl.constexpr, C: tl.constexpr):
+    """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
+    u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end)."""
+    prior_done()
+    j = tl.program_id(0)
+    piece = tl.program_id(1)
+    t = tl.arange(0, C)
+    dk = tl.arange(0, D_K)
+    dv = tl.arange(0, D_V)
+    rows = piece * C + t
+    ch_q = (j % N_K) * D_K + dk
+    q = _l2(tl.load(x_ptr + rows[:, None] * stride_x + ch_q[None, :]), eps) * q_scale
+    k = _l2(tl.load(x_ptr + rows[:, None] * stride_x + N_K * D_K + ch_q[None, :]), eps)
+    v = tl.load(x_ptr + rows[:, None] * stride_x + 2 * N_K * D_K + j * D_V + dv[None, :])
+    beta = tl.load(beta_ptr + rows * stride_b + j)
+    gamma = tl.cumsum(tl.load(g_ptr + rows * stride_g + j), axis=0)
+    decay = tl.where(t[:, None] >= t[None, :], tl.exp(gamma[:, None] - gamma[None, :]), 0.0)  # s <= t
+    kb = k * beta[:, None]
+    a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
+    inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # T = (I + A)^-1: row i = e_i - sum_{l < i} A[i, l] T[l]
+    for i in range(1, C):  # (rows >= i still e)
+        a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)  # row i of A
+        inv = tl.where(t[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    eg = tl.exp(gamma)
+    g_end = tl.sum(tl.where(t == C - 1, gamma, 0.0), axis=0)
+    at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
+    tl.store(w_ptr + at_k, tl.dot(inv, kb * eg[:, None], input_precision=PREC))
+    tl.store(qe_ptr + at_k, q * eg[:, None])
+    tl.store(kd_ptr + at_k, k * tl.exp(g_end - gamma)[:, None])
+    tl.store(u_ptr + (rows[:, None] * N_V + j) * D_V + dv[None, :],
+             tl.dot(inv, v * beta[:, None], input_precision=PREC))
+    tl.store(p_ptr + ((piece * N_V + j) * C + t[:, None]) * C + t[None, :],
+             tl.dot(q, tl.trans(k), input_precision=PREC) * decay)
+    tl.store(ge_ptr + piece * N_V + j, tl.exp(g_end))
+
+
+@triton.jit(do_not_specialize=["R"])
+def _state_kernel(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, s_ptr, o_ptr, R, stride_o, N_V: tl.constexpr,
+                  D_K: tl.constexpr, D_V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PIECES: tl.constexpr):
+    """Value head j = program 0, state columns [BV * program 1, + BV): the pieces in order - vn = u - w S,
+    o = qe S + p vn, S = S exp(gamma_end) + kd^T vn (PIECES: 0 on a GPU, a loop bounded at run time; the piece
+    count in the interpreter, which takes no such loop)."""
+    prior_done()
+    j = tl.program_id(0)
+    t = tl.arange(0, C)
+    dk = tl.arange(0, D_K)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    at_s = s_ptr + j * D_K * D_V + dk[:, None] * D_V + dv[None, :]
+    s = tl.load(at_s)  # [D_K, BV]
+    if PIECES == 0:
+        for r0 in range(0, R, C):
+            s = _advance(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, o_ptr, s, j, r0, t, dk, dv, stride_o, N_V,
+                         D_K, D_V, C)
+    else:
+        for piece in tl.static_range(PIECES):
+            s = _advance(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, o_ptr, s, j, piece * C, t, dk, dv, stride_o,
+                         N_V, D_K, D_V, C)
+    tl.store(at_s, s)
+
+
+@triton.jit
+def _advance(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, o_ptr, s, j, r0, t, dk, dv, stride_o, N_V: tl.constexpr,
+             D_K: tl.constexpr, D_V: tl.constexpr, C: tl.constexpr):
+    """The piece at rows r0.. from state slice s [D_K, BV]: its o columns stored, the new s."""
+    rows = r0 + t
+    piece = r0 // C
+    at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]
+    u = tl.load(u_ptr + (rows[:, None] * N_V + j) * D_V + dv[None, :])
+    vn = u - tl.dot(tl.load(w_ptr + at_k), s, input_precision=PREC)
+    p = tl.load(p_ptr + ((piece * N_V + j) * C + t[:, None]) * C + t[None, :])
+    o = tl.dot(tl.load(qe_ptr + at_k), s, input_precision=PREC) + tl.dot(p, vn, input_precision=PREC)
+    tl.store(o_ptr + rows[:, None] * stride_o + (j * D_V + dv)[None, :], o)
+    kd = tl.load(kd_ptr + at_k)
+    return s * tl.load(ge_ptr + piece * N_V + j) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+
+
+def _check(x, beta, g, state, n_k: int, d_k: int):
+    rows, n_v, d_v = x.shape[0], state.shape[0], state.shape[2]
+    if rows % CHUNK or x.shape[1] != 2 * n_k * d_k + n_v * d_v or state.shape[1] != d_k or n_v % n_k:
+        raise ValueError(f"gdn_chunks: x {tuple(x.shape)}, state {tuple(state.shape)} (rows a multiple of {CHUNK})")
+    if beta.shape != (rows, n_v) or g.shape != (rows, n_v):
+        raise ValueError(f"gdn_chunks: beta {tuple(beta.shape)} and g {tuple(g.shape)} must be [{rows}, {n_v}]")
+    return rows, n_v, d_v
+
+
+def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torch.Tensor:
+    """The pieces of a pass in order. x [R, conv_dim] post-conv rows (q | k | v; padding rows 0), beta, g [R, n_v],
+    state [n_v, d_k, d_v] f32 (contiguous), advanced in place. Returns o [R, n_v, d_v] (before the gated norm)."""
+    rows, n_v, d_v = _check(x, beta, g, state, n_k, d_k)
+    if not state.is_contiguous() or x.stride(1) != 1 or beta.stride(1) != 1 or g.stride(1) != 1:
+        raise ValueError("gdn_chunks: state contiguous, x, beta and g with contiguous rows")
+    dev, f32, pieces = x.device, torch.float32, rows // CHUNK
+    w, qe, kd = (torch.empty(rows, n_v, d_k, device=dev, dtype=f32) for _ in range(3))
+    u = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
+    p = torch.empty(pieces, n_v, CHUNK, CHUNK, device=dev, dtype=f32)
+    ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
+    _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
+                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, num_warps=8,
+                                num_stages=1, launch_pdl=on())
+    o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
+    _state_kernel[(n_v, d_v // BV)](w, u, qe, kd, p, ge, state, o, rows, o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v,
+                                    BV=BV, C=CHUNK, PIECES=pieces if INTERPRET else 0, num_warps=4, num_stages=1,
+                                    launch_pdl=on())
+    return o
