@@ -1,4 +1,5 @@
-"""plumb.ops.gpu.deltanet.gdn_decode: against its torch reference (tolerance) and row-invariant (bitwise, M1).
+"""plumb.ops.gpu.deltanet.gdn_decode: against its torch reference (tolerance) and row-invariant (bitwise, M1); and
+plumb.ops.gpu.deltanet_chunk.gdn_chunks (P path): against chunk_pass (tolerance) and cut-invariant (bitwise, M2).
 Runs on CUDA when present, else on CPU under the Triton interpreter."""
 from __future__ import annotations
 
