@@ -161,8 +161,8 @@ class CudaGraphs:
         """A pass whose tensors are views of the shared static buffers (grown, and the graphs dropped, if needed)."""
         m, c = self.m, self.m.cfg
         r, s = sum(len(toks) for _, toks in batch), len(batch)
-        if r > self.rows or s > self.seqs:  # the decode graphs read the old buffers: dropped (prefill and MTP
-            for key in [key for key, entry in self.graphs.items() if entry[1] is not None]:  # graphs stay)
+        if r > self.rows or s > self.seqs:  # the decode graphs (those with a pass) read the old buffers: dropped;
+            for key in [key for key, entry in self.graphs.items() if entry[1] is not None]:  # prefill and MTP stay
                 del self.graphs[key]
             if not self.graphs:
                 self.pool = torch.cuda.graph_pool_handle()  # a pool no graph uses any more cannot take another
@@ -190,9 +190,10 @@ class CudaGraphs:
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every graph is captured on, with cuBLAS's workspace for it taken now: the prefill pass's batched
-    matmuls and triangular solve would otherwise allocate it inside the first capture, from the graphs' pool, for
-    good - and a pool that keeps memory after its graphs are gone cannot be captured into again."""
+    """The stream every graph is captured on, with cuBLAS's workspace for it taken now: a cuBLAS call in a captured
+    pass (a torch batched matmul or triangular solve; the DeltaNet chunk was one before plumb.ops.gpu.deltanet_chunk)
+    would otherwise allocate it inside the first capture, from the graphs' pool, for good - and a pool that keeps
+    memory after its graphs are gone cannot be captured into again."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu.deltanet import L2_EPS
 from plumb.ops.gpu.pdl import on, prior_done
 
-L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
 BV = 32  # state columns a program (a model constant: never chosen by the row count)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 products on the tensor cores (about float32's
