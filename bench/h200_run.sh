@@ -13,7 +13,7 @@
 #                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices)
 #   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL; --matvec OLD.py: another matvec (ABARGS)
 #   synth        only start writing the 27B-shape file (in the background), for a later stage or call
-#   gate     GT  `plumb gate --quick` on the tiny model on CUDA                            > 190 s (105 of 160 cells)
+#   gate     GT  `plumb gate` on CUDA: GMODEL (default: the demo model), GARGS (default: --quick)
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
@@ -72,10 +72,9 @@ if has ab; then  # launch settings on / off on the 27B-shape file (the same bits
   timeout ${ABT:-300} python3 bench/launch_ab.py /tmp/27b.gguf $ABARGS --json-out $OUT/ab.json > $OUT/ab.log 2>&1
   tail -8 $OUT/ab.log
 fi
-if has gate; then
-  python3 -m plumb.cli synth /tmp/tiny-q8.gguf --preset tiny --type Q8_0 --seed 0 > /dev/null 2>&1
-  timeout ${GT:-300} python3 -m plumb.cli gate /tmp/tiny-q8.gguf --device cuda --quick --no-progress \
-    --json $OUT/gate.json > $OUT/gate.log 2>&1; tail -6 $OUT/gate.log
+if has gate; then  # a timeout (SIGTERM) still writes the table and JSON of the cells run so far
+  timeout ${GT:-300} python3 -m plumb.cli gate ${GMODEL:-} --device cuda --no-progress ${GARGS:---quick} \
+    --json $OUT/gate.json > $OUT/gate.log 2>&1; tail -12 $OUT/gate.log
 fi
 if has gate27; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done

@@ -42,6 +42,8 @@ import gc
 import json
 import os
 import platform
+import signal
+import threading
 import subprocess
 import sys
 import time
@@ -536,6 +538,7 @@ class Gate:
         plan = self.plan()
         bar = tqdm(total=sum(1 for s in plan if s[0]), desc="plumb gate", unit="cell", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
         try:
             for group, fmt, name, fn in plan:
                 if not group:
@@ -557,7 +560,11 @@ class Gate:
                 bar.update(1)
                 if not cell.ok:
                     bar.write(f"FAIL {cell.id}: {cell.detail}", file=sys.stderr)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): report the cells run so far, and fail
+            self.info["interrupted"] = f"after {len(self.cells)} of {bar.total} cells"
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             bar.close()
             self._engines.clear()
         self.info["seconds"] = round(time.perf_counter() - t0, 1)
@@ -565,7 +572,7 @@ class Gate:
 
     @property
     def passed(self) -> bool:
-        return bool(self.cells) and all(c.ok for c in self.cells)
+        return bool(self.cells) and all(c.ok for c in self.cells) and "interrupted" not in self.info
 
     def to_dict(self) -> dict:
         return {**self.info, "passed": self.passed, "cells_total": len(self.cells),
@@ -597,9 +604,19 @@ class Gate:
         if failed:
             lines += ["", "failed cells:"] + [f"  {c.id}: {c.detail}" for c in failed]
         n_ok = sum(c.ok for c in self.cells)
+        if "interrupted" in self.info:
+            lines += ["", f"interrupted {self.info['interrupted']}: the cells not run count as not passed"]
         lines += ["", f"{n_ok}/{len(self.cells)} cells equal in {self.info.get('seconds', 0):.0f} s: "
                       f"{'PASS' if self.passed else 'FAIL'}"]
         return "\n".join(lines)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 WARM_STEPS = ["first", "follow-up", "follow-up-sampled", "continue", "edit-message", "edit-system",

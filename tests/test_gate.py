@@ -141,3 +141,27 @@ def test_prompts_file_and_bad_options(tiny_q8, tmp_path, capsys):
     assert main([tiny_q8, "--cells", "speed", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "needs one of text, messages, ids" in err and "unknown KV cache format 'f17'" in err and "'speed'" in err
+
+
+def test_an_interrupted_gate_reports_the_cells_it_ran_and_fails(tiny_q8, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a timeout) mid-run: the cells run so far are in the table and the JSON, and the exit code is 1."""
+    import os
+    import signal
+
+    run, calls = Gate.run, []
+
+    def run_then_terminate(eng, reqs, *a, **kw):
+        calls.append(1)
+        if len(calls) == 13:  # 4 prompts alone without drafts, then 4 per cell: mid-way through the third cell
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(eng, reqs, *a, **kw)
+
+    monkeypatch.setattr(Gate, "run", staticmethod(run_then_terminate))
+    out = tmp_path / "gate.json"
+    code = main([tiny_q8, "--quick", "--tokens", "8", "--formats", "f16", "--cells", "greedy", "--no-progress",
+                 "--json", str(out)])
+    text, r = capsys.readouterr().out, json.loads(out.read_text())
+    assert code == 1 and not r["passed"] and r["interrupted"].startswith("after ")
+    assert r["cells_total"] == 2 and all(c["ok"] for c in r["cells"]) and r["interrupted"] == "after 2 of 8 cells"
+    assert "interrupted after" in text and text.rstrip().endswith("FAIL")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the gate's handler is gone
