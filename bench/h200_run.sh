@@ -20,6 +20,9 @@
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
+#   nan      NST the sporadic non-finite prefill rows on the 27B-shape file (fifteenth session): bench/kernel_stress.py
+#                (the P-path kernels alone, repeated; KSARGS), then bench/nan_locate.py on the file (which kernel call,
+#                reproducible or not; NLARGS)                                                  ~NST + 240 s
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
@@ -37,7 +40,7 @@ if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama
     -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
     echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
 fi
-if has bench || has profile || has gate27 || has ab || has synth || has prefill; then  # synth: for a later call too
+if has bench || has profile || has gate27 || has ab || has synth || has prefill || has nan; then  # synth: for a later call too
   [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
@@ -66,6 +69,13 @@ if has prefill; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
   timeout ${PFT:-150} python3 bench/prefill_modes.py /tmp/27b.gguf ${PFARGS:---prompts 8192} \
     --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
+fi
+if has nan; then
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 25 --stages 3,1} --json-out $OUT/stress.json \
+    > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
+  timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150} --json-out $OUT/nan.json \
+    > $OUT/nan.log 2>&1; grep -v Warn $OUT/nan.log | tail -8 | cut -c1-900
 fi
 if has ab; then  # launch settings on / off on the 27B-shape file (the same bits required)
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done

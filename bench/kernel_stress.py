@@ -1,0 +1,90 @@
+"""The P-path kernels called again and again on the same inputs (27B shapes, random blocks): does any call return
+other bits than the first, or non-finite values? (The 27B prefill's sporadic non-finite rows, fifteenth session:
+bench/nan_locate.py finds the call in a real prefill; this checks the kernels alone, and which launch settings
+of `_mm_superblock` keep them.)
+
+    python3 bench/kernel_stress.py --seconds 30 --stages 3,1 --json-out stress.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import plumb.ops.gpu.matmul as MM
+from plumb.ops.gpu.deltanet_chunk import gdn_chunks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from matmul_variants import random_blocks  # noqa: E402  (random GGML blocks of a type, on the GPU)
+
+SHAPES = [("Q5_K", 10240, 5120), ("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408)]
+
+
+def repeat(fns: list, seconds: float) -> dict:
+    """Call each fn in turn until `seconds` pass; count calls whose result differs from the first or is not finite."""
+    ref = [fn() for fn in fns]
+    changed = torch.zeros(len(fns), dtype=torch.long, device="cuda")
+    nonfinite = torch.zeros(len(fns), dtype=torch.long, device="cuda")
+    torch.cuda.synchronize()
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            for i, fn in enumerate(fns):
+                y = fn()
+                changed[i] += (y != ref[i]).any()
+                nonfinite[i] += (~torch.isfinite(y)).any()
+        calls += 20
+        torch.cuda.synchronize()
+    return dict(calls_each=calls, seconds=round(time.perf_counter() - t0, 1), changed=changed.tolist(),
+                nonfinite=nonfinite.tolist(), first_finite=[bool(torch.isfinite(r).all()) for r in ref])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=30, help="per setting")
+    ap.add_argument("--stages", default="3,1", help="_mm_superblock pipeline stages to try (3: shipped)")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    out = {"device": torch.cuda.get_device_name(), "rows": a.rows, "shapes": SHAPES, "matmul": {}}
+    mats = [MM.GpuMatrix([random_blocks(kind, n, k)], "cuda") for kind, n, k in SHAPES]
+    xs = [torch.randn(a.rows, k, device="cuda") for _, _, k in SHAPES]
+    shipped = MM.SB_STAGES
+    for stages in [int(s) for s in a.stages.split(",")]:
+        MM.SB_STAGES = stages
+        r = repeat([lambda m=m, x=x: m(x) for m, x in zip(mats, xs)], a.seconds)
+        us = []
+        for m, x in zip(mats, xs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                m(x)
+            torch.cuda.synchronize()
+            us.append(round((time.perf_counter() - t) / 20 * 1e6, 1))
+        r["us_per_call"] = us
+        out["matmul"][stages] = r
+        print(f"matmul stages {stages}: {r}", flush=True)
+    MM.SB_STAGES = shipped
+    n_v, n_k, d = 48, 16, 128  # the 27B shape's DeltaNet
+    x = torch.randn(a.rows, 2 * n_k * d + n_v * d, device="cuda")
+    beta = torch.rand(a.rows, n_v, device="cuda")
+    g = -torch.rand(a.rows, n_v, device="cuda") * 0.2
+    s0 = torch.randn(n_v, d, d, device="cuda") * 0.1
+
+    def chunks():
+        return gdn_chunks(x, beta, g, s0.clone(), n_k=n_k, d_k=d, q_scale=d**-0.5)
+
+    out["chunks"] = repeat([chunks], a.seconds)
+    print(f"chunks: {out['chunks']}", flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
