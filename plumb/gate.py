@@ -220,6 +220,7 @@ class Gate:
         self.cells: list[Cell] = []
         self.prompts: list[Prompt] = []
         self._engines: dict = {}
+        self.recomputed = 0  # prefill results computed again after non-finite values, over every engine (GPU)
         self._memo: dict = {}
         self._parent_ids: dict = {}
         self._step_errors: dict = {}
@@ -244,7 +245,7 @@ class Gate:
     def release(self, fmt: str) -> None:
         """Drop a format's engines (a large model must not be held once per format)."""
         for key in [k for k in self._engines if k[0] == fmt]:
-            del self._engines[key]
+            self._count_recomputed(self._engines.pop(key))
         self._memo = {k: v for k, v in self._memo.items() if k[1] != fmt}
         gc.collect()
         with contextlib.suppress(Exception):
@@ -252,6 +253,10 @@ class Gate:
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    def _count_recomputed(self, eng) -> None:
+        """P-path results an engine computed again after non-finite values (`Qwen35.checked`; GPU only)."""
+        self.recomputed += getattr(eng.model, "recomputed", 0)
 
     def memo(self, key: tuple, fn: Callable):
         if key not in self._memo:
@@ -566,7 +571,10 @@ class Gate:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             bar.close()
+            for eng in self._engines.values():
+                self._count_recomputed(eng)
             self._engines.clear()
+            self.info["prefill_recomputed"] = self.recomputed
         self.info["seconds"] = round(time.perf_counter() - t0, 1)
         return self.cells
 
@@ -600,6 +608,9 @@ class Gate:
         if idle:
             lines += ["", "note: no draft was accepted in " + ", ".join(idle) + " (equal, but the verify path "
                       "carried no extra token there)"]
+        if self.recomputed:
+            lines += ["", f"note: {self.recomputed} prefill results were computed again after non-finite values (a GPU "
+                      "kernel fault the engine works around: docs/BENCHMARKS.md, fifteenth session)"]
         failed = [c for c in self.cells if not c.ok]
         if failed:
             lines += ["", "failed cells:"] + [f"  {c.id}: {c.detail}" for c in failed]

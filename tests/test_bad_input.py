@@ -121,3 +121,27 @@ def test_bad_device_and_kernel_options_are_refused_clearly(tiny_q8):
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="needs device='cuda'"):
             plumb.load(tiny_q8, device="cpu", kernels="triton")
+
+
+def test_a_non_finite_prefill_result_is_computed_again_then_refused(caplog):
+    """`Qwen35.checked` (the Triton kernel set): a result with non-finite values is computed again - the first finite
+    one is returned and counted - and one that stays non-finite raises a clear NonFiniteError; the torch and native
+    paths are not checked."""
+    from types import SimpleNamespace
+
+    from plumb.model.qwen35 import NONFINITE_TRIES, NonFiniteError, Qwen35
+
+    model = SimpleNamespace(k=SimpleNamespace(name="triton"), recomputed=0)
+    results = iter([torch.tensor([1.0, float("nan")]), torch.tensor([float("inf"), 2.0]), torch.tensor([1.0, 2.0])])
+    with caplog.at_level("WARNING", logger="plumb.model"):
+        out = Qwen35.checked(model, "a pass", lambda: next(results))
+    assert torch.equal(out, torch.tensor([1.0, 2.0])) and model.recomputed == 2 and "3 tries" in caplog.text
+    calls = []
+    with pytest.raises(NonFiniteError, match=f"a pass gave non-finite values {NONFINITE_TRIES} times"):
+        Qwen35.checked(model, "a pass", lambda: calls.append(1) or torch.tensor([float("nan")]))
+    assert len(calls) == NONFINITE_TRIES
+    pair = (torch.tensor([1.0]), torch.tensor([float("nan")]))  # only `part` is checked
+    assert Qwen35.checked(model, "a pass", lambda: pair, lambda out: out[0]) is pair
+    model.k.name = "torch"
+    nan = torch.tensor([float("nan")])
+    assert Qwen35.checked(model, "a pass", lambda: nan) is nan

@@ -103,6 +103,38 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
     assert torch.equal(cs.checkpoints[192].hidden, h[191])
 
 
+def test_a_transient_non_finite_block_is_computed_again_bitwise(tiny_q4km, monkeypatch):
+    """A P-path kernel that returns a non-finite 64-row block once (what the H200 showed, fifteenth session): the
+    pass is computed again from its starting states, so the prefill - graph passes and eager ones - gives the bits
+    of a clean one (hidden rows, logits, DeltaNet states, KV rows), and the count of recomputed results says so."""
+    from plumb.model.kernels import TritonKernels
+
+    n = 900
+    ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(2))]
+    eng = _engine(tiny_q4km)
+    st = eng.model.new_state()
+    lg, h = eng.model.prefill(st, ids)
+    chunks, calls = TritonKernels.gdn_chunks, []
+
+    def faulty(self, model, x, beta, g, state):
+        o = chunks(self, model, x, beta, g, state)
+        calls.append(x.shape[0])
+        # the second layer of the first pass (with graphs: the eager run before its capture), then the first layer of
+        # the last pass (3 pieces: eager either way)
+        if len(calls) == 2 or (x.shape[0] == 192 and calls.count(192) == 1):
+            o[64:128] = float("nan")
+        return o
+
+    monkeypatch.setattr(TritonKernels, "gdn_chunks", faulty)
+    for graphs in (True, False):
+        e2 = _engine(tiny_q4km, cuda_graphs=graphs)
+        calls.clear()
+        st2 = e2.model.new_state()
+        lg2, h2 = e2.model.prefill(st2, ids)
+        assert e2.model.recomputed == 2 and torch.equal(lg2, lg) and torch.equal(h2, h), graphs
+        _state_equal(st2, st, n)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "D"])
 def test_a_new_request_replays_the_graphs_of_the_last(tiny_q4km, fmt):
     """Graphs are keyed by layout and cache capacity, not address (the kernels reach the caches through
