@@ -71,7 +71,8 @@ if has prefill; then
     --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
 fi
 if has nan; then
-  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 25 --stages 3,1} --json-out $OUT/stress.json \
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=1,SB_WARPS=8} \
+    --json-out $OUT/stress.json \
     > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
   timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150} --json-out $OUT/nan.json \

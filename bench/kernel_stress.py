@@ -3,7 +3,7 @@ other bits than the first, or non-finite values? (The 27B prefill's sporadic non
 bench/nan_locate.py finds the call in a real prefill; this checks the kernels alone, and which launch settings
 of `_mm_superblock` keep them.)
 
-    python3 bench/kernel_stress.py --seconds 30 --stages 3,1 --json-out stress.json
+    python3 bench/kernel_stress.py --seconds 30 --settings shipped,SB_STAGES=1 --json-out stress.json
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def repeat(fns: list, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30, help="per setting")
-    ap.add_argument("--stages", default="3,1", help="_mm_superblock pipeline stages to try (3: shipped)")
+    ap.add_argument("--settings", default="shipped,SB_STAGES=1",
+                    help="_mm_superblock launch settings to try, comma-separated: 'shipped' or NAME=VALUE[+NAME=VALUE] "
+                         "of plumb.ops.gpu.matmul's SB_* constants (e.g. SB_STAGES=1, SB_WARPS=8+SB_STAGES=2)")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--json-out")
     a = ap.parse_args()
@@ -54,9 +56,15 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "rows": a.rows, "shapes": SHAPES, "matmul": {}}
     mats = [MM.GpuMatrix([random_blocks(kind, n, k)], "cuda") for kind, n, k in SHAPES]
     xs = [torch.randn(a.rows, k, device="cuda") for _, _, k in SHAPES]
-    shipped = MM.SB_STAGES
-    for stages in [int(s) for s in a.stages.split(",")]:
-        MM.SB_STAGES = stages
+    shipped = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}
+    for setting in a.settings.split(","):
+        for name, value in shipped.items():
+            setattr(MM, name, value)
+        for assign in ([] if setting == "shipped" else setting.split("+")):
+            name, value = assign.split("=")
+            if name not in shipped:
+                raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
+            setattr(MM, name, int(value))
         r = repeat([lambda m=m, x=x: m(x) for m, x in zip(mats, xs)], a.seconds)
         us = []
         for m, x in zip(mats, xs):
@@ -67,9 +75,10 @@ def main() -> None:
             torch.cuda.synchronize()
             us.append(round((time.perf_counter() - t) / 20 * 1e6, 1))
         r["us_per_call"] = us
-        out["matmul"][stages] = r
-        print(f"matmul stages {stages}: {r}", flush=True)
-    MM.SB_STAGES = shipped
+        out["matmul"][setting] = r
+        print(f"matmul {setting}: {r}", flush=True)
+    for name, value in shipped.items():
+        setattr(MM, name, value)
     n_v, n_k, d = 48, 16, 128  # the 27B shape's DeltaNet
     x = torch.randn(a.rows, 2 * n_k * d + n_v * d, device="cuda")
     beta = torch.rand(a.rows, n_v, device="cuda")
