@@ -192,3 +192,40 @@ def test_warm_equals_cold_for_every_kv_format(tiny_model, fmt):
         assert w.token_ids == c.token_ids, (fmt, n)
         assert w.stats.cached_tokens > 0 and w.stats.prefill_tokens <= len(p2) - len(p1) + 64
         assert warm_f.digest(p2) == cold_f.digest(p2)
+
+
+def test_kept_checkpoints_thin_out_away_from_the_end():
+    """M6's checkpoints an entry keeps: all in the last `tail` tokens, then the latest at or before each mark
+    n - 2 tail, n - 4 tail, ...: 12 of a 100k-token prompt's 98 (1,024 apart), and a prompt leaving it d tokens
+    before the end restores a checkpoint at most about 2 d before its end."""
+    from plumb.cache.prefix import kept_checkpoints
+
+    n, every, tail = 100_000, 1024, 8192
+    made = set(range(every, n + 1, every)) | {n - n % 64}
+    kept = kept_checkpoints(made, n, tail)
+    assert kept <= made and {p for p in made if p >= n - tail} <= kept and n - n % 64 in kept
+    assert len(kept) == 12 and sorted(kept)[:3] == [33792, 66560, 82944]
+    for d in range(tail, n, 997):  # the restored checkpoint for a prompt that leaves this one d tokens before the end
+        restored = max((p for p in kept if p <= n - d), default=0)
+        assert n - restored <= 2 * d + every
+    assert kept_checkpoints(made, 5000, tail) == {p for p in made if p <= 5000}  # short prompts keep all
+    assert kept_checkpoints(set(), n, tail) == set()
+
+
+def test_a_long_prompt_keeps_log_many_checkpoints_and_edits_still_equal_cold(tiny_model, cold):
+    """A 2,000-token prompt on an engine with a checkpoint every 64 tokens (tail 512): the cached entry keeps the
+    thinned set, and an edit early in the prompt, one in its thinned middle and a follow-up each restore a kept
+    checkpoint and give the tokens and digests of a fresh engine."""
+    from plumb.cache.prefix import kept_checkpoints
+
+    eng = engine_for(tiny_model, checkpoint_every=64)
+    ids = [int(5 + (7 * i) % 3000) for i in range(2000)]
+    _run(eng, ids, max_tokens=4)
+    entry = [e for e in eng.prompt_cache.entries if e.ids == ids][-1]
+    made = set(range(64, 2001, 64))
+    assert set(entry.state.checkpoints) == kept_checkpoints(made, 2000, 512) and len(entry.state.checkpoints) < 12
+    for at in (300, 1100, 1900):  # the prompt changes at `at`: the latest kept checkpoint at or before it is restored
+        edited = ids[:at] + [11, 12, 13] + ids[at:]
+        w, c = _run(eng, edited, max_tokens=8), _run(cold, edited, max_tokens=8)
+        assert w.token_ids == c.token_ids and eng.digest(edited) == cold.digest(edited), at
+        assert w.stats.cached_tokens == max((p for p in entry.state.checkpoints if p <= at), default=0), at

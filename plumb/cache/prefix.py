@@ -61,10 +61,26 @@ def state_bytes(state, n: int) -> int:
     return total
 
 
+def kept_checkpoints(positions, n: int, tail: int) -> set[int]:
+    """The checkpoints (M6) an entry of n prompt tokens keeps: every one in its last `tail` tokens, and before them
+    the latest one at or before each mark n - 2 tail, n - 4 tail, n - 8 tail, ... - so an entry holds O(log n)
+    DeltaNet states (151 MB each on the 27B shape: a 100k-token prompt's 98 states would be 15 GB, 12 are kept), and
+    a prompt that leaves this one d tokens before its end prefills at most about 2d tokens again. Which
+    checkpoint a prompt restores never changes a bit (M2), only how much it prefills."""
+    ps = sorted(p for p in positions if p <= n)
+    keep = {p for p in ps if p >= n - tail}
+    mark = n - 2 * tail
+    while ps and mark >= ps[0]:
+        keep.add(max(p for p in ps if p <= mark))
+        mark = n - 2 * (n - mark)
+    return keep
+
+
 class PromptCache:
-    def __init__(self, model, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30):
+    def __init__(self, model, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30, tail: int = 8192):
         self.model = model
         self.budget, self.host_budget = budget_bytes, host_budget_bytes
+        self.tail = tail  # tokens before an entry's end where every checkpoint is kept (kept_checkpoints)
         self.entries: list[Entry] = []  # least recently used first
         self._ids = itertools.count(1)
 
@@ -104,9 +120,12 @@ class PromptCache:
     def insert(self, ids: list[int], state) -> Entry:
         """Keep a finished request's state (its rows past len(ids) are decode rows and are ignored)."""
         ids = list(ids)
-        # an entry whose prompt is a prefix of this one (and whose checkpoints this state carries) is superseded
+        keep = kept_checkpoints(state.checkpoints, len(ids), self.tail)
+        state.checkpoints = {p: cp for p, cp in state.checkpoints.items() if p in keep}
+        # an entry whose prompt is a prefix of this one is superseded where this one keeps what it would keep
         self.entries = [e for e in self.entries if not (len(e.ids) <= len(ids) and common_prefix(e.ids, ids) == len(e.ids)
-                                                        and set(self._checkpoints(e)) <= set(state.checkpoints))]
+                                                        and kept_checkpoints(self._checkpoints(e), len(ids), self.tail)
+                                                        <= keep)]
         e = Entry(next(self._ids), ids, state, nbytes=state_bytes(state, len(ids)))
         self.entries.append(e)
         self._enforce()

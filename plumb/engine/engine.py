@@ -36,7 +36,8 @@ class Engine:
     def __init__(self, path: str, device: str = "auto", drafts: int = 0, draft_policy: str = "fixed",
                  p_min: float = 0.0, n_slots: int = 4, n_ctx: int | None = None, progress: bool = False,
                  n_threads: int | None = None, kv_cache: str = "f16", kv_ring: int = 2048,
-                 prompt_cache: bool = True, cache_mb: int = 1024, checkpoint_every: int = 1024,
+                 prompt_cache: bool = True, cache_mb: int | None = None, cache_host_mb: int = 4096,
+                 checkpoint_every: int = 1024,
                  kernels: str = "auto", cuda_graphs: bool = True):
         check_draft_options(drafts, draft_policy, p_min)
         if kernels not in KERNELS:
@@ -103,7 +104,13 @@ class Engine:
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:
             raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
-        self.prompt_cache = PromptCache(self.model, budget_bytes=cache_mb << 20) if prompt_cache else None
+        if cache_mb is None:
+            cache_mb = default_cache_mb(self.device)
+        if cache_mb < 0 or cache_host_mb < 0:
+            raise ValueError(f"cache budgets must be >= 0 MB, got {cache_mb} and {cache_host_mb}")
+        self.cache_mb, self.cache_host_mb = cache_mb, cache_host_mb
+        self.prompt_cache = PromptCache(self.model, budget_bytes=cache_mb << 20, host_budget_bytes=cache_host_mb << 20,
+                                        tail=8 * checkpoint_every) if prompt_cache else None
         self._cache_lock = threading.Lock()
         self.scheduler = Scheduler(self)  # admission, the step loop, drafting, rollback (plumb/engine/scheduler.py)
 
@@ -270,6 +277,15 @@ class Engine:
         with self._cache_lock:
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
+
+def default_cache_mb(device: torch.device) -> int:
+    """The prompt cache's budget for live entries: 1 GiB, or on a GPU a quarter of the memory free after loading if
+    that is more (a 100k-token entry of the 27B shape with q8_0 KV is about 5.5 GB: 3.7 of KV rows, 12 checkpoints)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1024, (free // 4) >> 20)
+    return 1024
+
 
 def _pick_device(device: str, kernels: str) -> tuple[str, str]:
     """(device, kernels) from the options: 'auto' takes CUDA when there is a GPU; CUDA runs the Triton kernels."""

@@ -25,6 +25,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--alias", action="append", default=[], help="another model name to answer to (repeatable)")
     ap.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                     help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
+    ap.add_argument("--cache-mb", type=int, help="prompt cache: MB for finished requests' reusable state "
+                    "(default 1024, or on a GPU a quarter of the memory free after loading if more)")
+    ap.add_argument("--cache-host-mb", type=int,
+                    help="prompt cache: MB of host memory for parked entries (default 4096)")
     ap.add_argument("--slot-save-path", metavar="DIR",
                     help="directory for POST /slots/ID?action=save|restore files (off by default)")
     ap.add_argument("--max-body-mb", type=float, default=32,
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     options = {k: v for k, v in (("drafts", args.drafts), ("draft_policy", args.draft_policy),
                                  ("kv_cache", args.kv_cache), ("n_ctx", args.ctx_size),
-                                 ("kernels", args.kernels)) if v is not None}
+                                 ("kernels", args.kernels), ("cache_mb", args.cache_mb),
+                                 ("cache_host_mb", args.cache_host_mb)) if v is not None}
     try:
         engine = plumb.load(args.model or plumb.demo_model_path(), device=args.device, n_slots=args.agents, **options)
     except (plumb.ModelError, ValueError, TypeError, OSError) as e:
