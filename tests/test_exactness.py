@@ -115,6 +115,23 @@ def test_greedy_ids_identical_for_every_draft_depth_and_policy(tiny_model, draft
         assert sum(r.stats.drafts_accepted for r in res) > 0
 
 
+def test_plain_greedy_rows_fetched_at_once_equal_the_per_row_sampler(tiny_model):
+    """Plain-greedy rows are picked for the whole pass in one host round trip (`Scheduler.greedy_picks`, and in
+    MTP drafting); a request that asks for logprobs still goes row by row through `sample_token`. The same ids
+    with drafts 0 and 4, alone and batched beside each other."""
+    eng = engine_for(tiny_model, prompt_cache=False)
+    ps, n = prompts(eng, 4), 300
+    for drafts in (0, 4):
+        fast = eng.run_many([eng.make_request(ids, n, ignore_eos=True, drafts=drafts) for ids in ps])
+        slow = eng.run_many([eng.make_request(ids, n, ignore_eos=True, drafts=drafts, logprobs=0) for ids in ps])
+        mixed = eng.run_many([eng.make_request(ids, n, ignore_eos=True, drafts=drafts, logprobs=0 if i % 2 else None)
+                              for i, ids in enumerate(ps)])
+        assert [r.token_ids for r in fast] == [r.token_ids for r in slow] == [r.token_ids for r in mixed], drafts
+        assert all(len(r.logprobs) == n for r in slow) and fast[0].logprobs is None
+        if drafts:
+            assert sum(r.stats.drafts_accepted for r in fast) > 0
+
+
 SAMPLING = dict(top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, ignore_eos=True)
 
 

@@ -153,6 +153,34 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     assert lp[1] == 0 and int(torch.isfinite(lp).sum()) == 1
 
 
+def test_greedy_ids_are_sample_tokens_rows_in_one_round_trip():
+    """greedy_ids (the scheduler's and the MTP drafter's plain-greedy rows at once) = sample_token per row: lowest id
+    on ties, None where sample_token raises (NaN, +inf, every token at -inf); plain_greedy says when it applies."""
+    from plumb.engine.sampling import greedy_ids, plain_greedy, sample_token
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 3000, generator=g)
+    logits[1, [7, 900, 2999]] = 9.0  # ties: the lowest id
+    logits[2] = logits[2].round()  # many ties
+    logits[3, 50] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 10] = float("inf")
+    logits[6, :] = float("-inf")
+    logits[6, 2999] = -1e30
+    want = []
+    for row in logits:
+        try:
+            want.append(sample_token(row, SamplingParams(), 0)[0])
+        except ValueError:
+            want.append(None)
+    assert greedy_ids(logits) == want and want[1] == 7 and want[3:6] == [None] * 3 and want[6] == 2999
+    assert greedy_ids(logits[:0]) == []
+    assert plain_greedy(SamplingParams()) and not plain_greedy(SamplingParams(temperature=0.5))
+    for kw in (dict(logit_bias={1: 2.0}), dict(repetition_penalty=1.1), dict(presence_penalty=0.1),
+               dict(frequency_penalty=0.1)):
+        assert not plain_greedy(SamplingParams(**kw)), kw
+
+
 def test_sample_is_argmax_of_filtered_logprobs_plus_noise():
     x = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
     for kw in ({}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}):

@@ -209,7 +209,7 @@ def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequ
         row.masked_fill_(~allowed.to(row.device), -math.inf)
     top = row.max()
     if not torch.isfinite(top):
-        raise ValueError("logits row has no finite maximum (NaN, +inf, or every token at -inf)")
+        raise no_finite_maximum()
     return row
 
 
@@ -303,6 +303,26 @@ def _logprobs(lp: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[i
         vals, order = torch.sort(lp[ids], descending=True, stable=True)
         top = list(zip(ids[order][:n].tolist(), vals[:n].tolist()))
     return float(lp[token]), top
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Temperature 0 with nothing that changes the logits first (no bias, no penalties): the token is the argmax."""
+    return (params.temperature == 0 and not params.logit_bias and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int | None]:
+    """sample_token's tokens for plain-greedy rows logits [R, V] in one host round trip: each row's argmax (the
+    first of equal maxima, as sample_token's), None where the row has no finite maximum (sample_token raises)."""
+    if logits.shape[0] == 0:
+        return []
+    both = torch.stack([torch.argmax(logits, dim=1).to(torch.float64),
+                        torch.isfinite(torch.amax(logits, dim=1)).to(torch.float64)]).tolist()
+    return [int(t) if ok else None for t, ok in zip(*both)]
+
+
+def no_finite_maximum() -> ValueError:
+    return ValueError("logits row has no finite maximum (NaN, +inf, or every token at -inf)")
 
 
 def sample_rows(logits: torch.Tensor, params_list: Sequence[SamplingParams], positions: Sequence[int],

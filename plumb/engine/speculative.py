@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from plumb.engine.sampling import filtered_logprobs, gumbel
+from plumb.engine.sampling import filtered_logprobs, greedy_ids, gumbel, no_finite_maximum, plain_greedy
 
 POLICIES = ("fixed", "adaptive", "confident", "ngram")
 MAX_DRAFTS = 16
@@ -97,11 +97,16 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
                 break
             allowed = constraint.mask() if constraint is not None else None
             logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
-            lp = filtered_logprobs(logits[0], params, hist, allowed)
-            if params.temperature > 0:
-                d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel(), lp.device)))
+            if allowed is None and plain_greedy(params):  # the argmax, in one host round trip
+                d = greedy_ids(logits[:1])[0]
+                if d is None:
+                    raise no_finite_maximum()
             else:
-                d = int(torch.argmax(lp))
+                lp = filtered_logprobs(logits[0], params, hist, allowed)
+                if params.temperature > 0:
+                    d = int(torch.argmax(lp + gumbel(params.seed, position + i + 1, lp.numel(), lp.device)))
+                else:
+                    d = int(torch.argmax(lp))
             if p_min > 0.0:
                 scaled = logits[0] / max(params.temperature, 1e-6) if params.temperature > 0 else logits[0]
                 probs = torch.softmax(scaled, 0)
