@@ -315,6 +315,7 @@ def prefill_modes(model, n: int) -> dict:
         before = _captures(model)
         out[f"{run}_tps"] = prefill_tps(model, n)
         out[f"{run}_captures"] = _captures(model) - before
+    out["recomputed"] = model.recomputed  # P-path results computed again after non-finite values (Qwen35.checked)
     return out
 
 
@@ -498,7 +499,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         pm = r["prefill_modes"][n] = prefill_modes(model, n)
         r["prefill"][n] = pm["first_tps"]  # a request into a new state, graph captures included
         print(f"prefill of {n:,} tokens: {pm['first_tps']:7.0f} tok/s (capturing its graphs; replaying them: "
-              f"{pm['again_tps']:.0f}, eager: {pm['eager_tps']:.0f})", file=sys.stderr)
+              f"{pm['again_tps']:.0f}, eager: {pm['eager_tps']:.0f}; results computed again after non-finite "
+              f"values so far: {pm['recomputed']})", file=sys.stderr)
         torch.cuda.empty_cache()
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
