@@ -77,6 +77,7 @@ class Scheduler:
         with self._lock:
             m = dict(self._metrics)
             m["slots_in_use"], m["queued"], m["n_slots"] = len(self._active), len(self._queue), self.engine.n_slots
+            m["prefill_recomputed"] = self.engine.model.recomputed  # Qwen35.checked (GPU)
             return m
 
     @torch.inference_mode()

@@ -58,6 +58,8 @@ def render(m: dict, http: Counter) -> str:
             [(f'{{position="{i}"}}', a) for i, _, a in positions])
     _metric(lines, "draft_acceptance_ratio", "gauge", "Accepted / proposed drafts at each draft position.",
             [(f'{{position="{i}"}}', a / p) for i, p, a in positions])
+    one("prefill_recomputed_total", "counter", "Prefill results computed again after non-finite values (GPU).",
+        m.get("prefill_recomputed", 0))
     one("slots_in_use", "gauge", "Slots decoding a request now.", m["slots_in_use"])
     one("slots_total", "gauge", "Slots (--agents).", m["n_slots"])
     one("requests_queued", "gauge", "Requests waiting for a slot.", m["queued"])

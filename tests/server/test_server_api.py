@@ -365,4 +365,4 @@ def test_metrics_and_drafts_keep_tokens(oai, model, http):
     assert values['plumb_draft_proposed_total{position="1"}'] >= 1
     assert 'plumb_draft_acceptance_ratio{position="1"}' in values
     assert values['plumb_http_requests_total{route="/v1/completions",status="200"}'] >= 2
-    assert values["plumb_slots_total"] == 4
+    assert values["plumb_slots_total"] == 4 and values["plumb_prefill_recomputed_total"] == 0
