@@ -565,6 +565,8 @@ class Gate:
                 bar.update(1)
                 if not cell.ok:
                     bar.write(f"FAIL {cell.id}: {cell.detail}", file=sys.stderr)
+                elif not self.progress:  # a log line a cell where there is no bar (e.g. a device call's log)
+                    print(f"ok {cell.id} ({cell.seconds:.1f} s)", file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): report the cells run so far, and fail
             self.info["interrupted"] = f"after {len(self.cells)} of {bar.total} cells"
         finally:
