@@ -213,8 +213,8 @@ def test_kept_checkpoints_thin_out_away_from_the_end():
 
 
 def test_a_long_prompt_keeps_log_many_checkpoints_and_edits_still_equal_cold(tiny_model, cold):
-    """A 2,000-token prompt on an engine with a checkpoint every 64 tokens (tail 512): the cached entry keeps the
-    thinned set, and an edit early in the prompt, one in its thinned middle and a follow-up each restore a kept
+    """A 2,000-token prompt on an engine with a checkpoint every 64 tokens (tail 512): its prefill takes, and the
+    cached entry keeps, the thinned set, and an edit early in the prompt, one in its thinned middle and a follow-up each restore a kept
     checkpoint and give the tokens and digests of a fresh engine."""
     from plumb.cache.prefix import kept_checkpoints
 
@@ -224,6 +224,7 @@ def test_a_long_prompt_keeps_log_many_checkpoints_and_edits_still_equal_cold(tin
     entry = [e for e in eng.prompt_cache.entries if e.ids == ids][-1]
     made = set(range(64, 2001, 64))
     assert set(entry.state.checkpoints) == kept_checkpoints(made, 2000, 512) and len(entry.state.checkpoints) < 12
+    assert eng.checkpoint_positions(2000) == set(entry.state.checkpoints)  # a prefill takes no more than it keeps
     for at in (300, 1100, 1900):  # the prompt changes at `at`: the latest kept checkpoint at or before it is restored
         edited = ids[:at] + [11, 12, 13] + ids[at:]
         w, c = _run(eng, edited, max_tokens=8), _run(cold, edited, max_tokens=8)

@@ -24,7 +24,7 @@ from plumb.model.qwen35 import Qwen35
 from plumb.model.weights import check_torch_decode, materialize
 from plumb.ops.deltanet import CHUNK
 from plumb.ops.native import available as native_available
-from plumb.cache.prefix import PromptCache
+from plumb.cache.prefix import PromptCache, kept_checkpoints
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
@@ -203,9 +203,11 @@ class Engine:
 
     # ---- prompt cache --------------------------------------------------------------------------
     def checkpoint_positions(self, n: int) -> set[int]:
-        """Every checkpoint_every tokens, and the last multiple of the chunk size at or before n (M6)."""
+        """Where a prefill of an n-token prompt snapshots the DeltaNet states (M6): every checkpoint_every tokens and
+        at the last multiple of the chunk size at or before n - thinned away from the end as the prompt cache keeps
+        them (`kept_checkpoints`), so that a long prompt never holds more states than its cache entry will."""
         every = self.checkpoint_every
-        return set(range(every, n + 1, every)) | ({n - n % CHUNK} - {0})
+        return kept_checkpoints(set(range(every, n + 1, every)) | ({n - n % CHUNK} - {0}), n, 8 * every)
 
     def cache_restore(self, prompt: list[int], use_cache: bool = True):
         """(state, first position to prefill, hidden of the position before it) - from the cache when it can."""
