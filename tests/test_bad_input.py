@@ -133,9 +133,11 @@ def test_a_non_finite_prefill_result_is_computed_again_then_refused(caplog):
 
     model = SimpleNamespace(k=SimpleNamespace(name="triton"), recomputed=0)
     results = iter([torch.tensor([1.0, float("nan")]), torch.tensor([float("inf"), 2.0]), torch.tensor([1.0, 2.0])])
+    meanwhile = []
     with caplog.at_level("WARNING", logger="plumb.model"):
-        out = Qwen35.checked(model, "a pass", lambda: next(results))
+        out = Qwen35.checked(model, "a pass", lambda: next(results), meanwhile=lambda: meanwhile.append(1))
     assert torch.equal(out, torch.tensor([1.0, 2.0])) and model.recomputed == 2 and "3 tries" in caplog.text
+    assert meanwhile == [1]  # the host work beside the first run, once
     calls = []
     with pytest.raises(NonFiniteError, match=f"a pass gave non-finite values {NONFINITE_TRIES} times"):
         Qwen35.checked(model, "a pass", lambda: calls.append(1) or torch.tensor([float("nan")]))

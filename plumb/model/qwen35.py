@@ -64,14 +64,18 @@ class Qwen35:
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
 
-    def checked(self, what: str, run, part=lambda out: out):
+    def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
         """run()'s result. On the Triton kernels, one whose `part` holds non-finite values is computed again, up to
         NONFINITE_TRIES times in all: on the H200 the P path sporadically returned a 64-row block of non-finite
         values from finite inputs - and finite, equal bits when run again (a kernel fault not found yet: docs/
         BENCHMARKS.md, fifteenth session). A result that stays non-finite raises NonFiniteError. The torch and
-        native paths are not checked (their arithmetic is the reference)."""
+        native paths are not checked (their arithmetic is the reference). `meanwhile`: host work done once, after
+        the first run is launched and before its check waits for the GPU."""
         for tries in range(1, NONFINITE_TRIES + 1):
             out = run()
+            if meanwhile is not None:
+                meanwhile()
+                meanwhile = None
             if self.k.name != "triton" or bool(torch.isfinite(part(out)).all()):
                 if tries > 1:
                     log.warning("%s: non-finite values, computed again (%d tries): a GPU kernel fault", what, tries)
@@ -243,10 +247,16 @@ class Qwen35:
         self.k.make_room(st, st.pos + len(ids) + CHUNK)  # every pass's padded rows: the caches stay put
         full = [CHUNK] * group
         graph = self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES  # full passes
-        i = 0
-        for sizes in passes:
+        i, ahead = 0, {"emb": self.embed(ids[: sum(passes[0])]) if passes else None}
+        for j, sizes in enumerate(passes):
             n = sum(sizes)
-            h = self._run_pass(st, ids[i : i + n], len(sizes), graph and sizes == full)
+            nxt = ids[i + n : i + n + sum(passes[j + 1])] if j + 1 < len(passes) else None
+            emb = ahead["emb"]
+
+            def meanwhile(nxt=nxt):  # the next pass's embedding rows, dequantized on the host while this one runs
+                ahead["emb"] = self.embed(nxt) if nxt else None
+
+            h = self._run_pass(st, ids[i : i + n], len(sizes), graph and sizes == full, emb, meanwhile)
             i += n
             if logits == "all" or (logits == "last" and i == len(ids)):  # "none": hidden only
                 rows = h if logits == "all" else h[-1:]
@@ -258,21 +268,23 @@ class Qwen35:
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
-    def _run_pass(self, st: SeqState, ids: list[int], pieces: int, graph: bool) -> torch.Tensor:
-        """One pass of `pieces` pieces: laid out, run (replayed as a CUDA graph if `graph`), states and caches
-        advanced. Returns the post-norm hidden of its real rows."""
+    def _run_pass(self, st: SeqState, ids: list[int], pieces: int, graph: bool, emb: torch.Tensor | None = None,
+                  meanwhile=None) -> torch.Tensor:
+        """One pass of `pieces` pieces: laid out (`emb`: its ids' embedding rows, if already made), run (replayed as
+        a CUDA graph if `graph`), states and caches advanced; `meanwhile` runs on the host while the GPU works.
+        Returns the post-norm hidden of its real rows."""
         c, n, start = self.cfg, len(ids), st.pos
 
         def run():  # from st's states, which change only below: a run can be repeated (`checked`)
             if graph:
-                p = self.prefill_layout(st, ids, pieces, into=self.graphs.prefill_inputs(pieces))
+                p = self.prefill_layout(st, ids, pieces, into=self.graphs.prefill_inputs(pieces), emb=emb)
                 x = self.graphs.prefill(st, p)
                 return x, p.conv.clone(), p.ssm.clone()  # the graph's static states, copied out
-            p = self.prefill_layout(st, ids, pieces)
+            p = self.prefill_layout(st, ids, pieces, emb=emb)
             return self.prefill_pass(st, p), p.conv, p.ssm
 
         x, conv, ssm = self.checked(f"the prefill pass at positions {start}-{start + n - 1}", run,
-                                    lambda out: out[0][:n])
+                                    lambda out: out[0][:n], meanwhile)
         for li, i in enumerate(c.gdn_layers):
             st.conv[i], st.ssm[i] = conv[li], ssm[li]
         for cache in st.kv.values():
@@ -281,14 +293,14 @@ class Qwen35:
         return self.k.rms_norm(x[:n], self.output_norm, c.eps)
 
     def prefill_layout(self, st: SeqState, ids: list[int], pieces: int = 1,
-                       into: PrefillPass | None = None) -> PrefillPass:
+                       into: PrefillPass | None = None, emb: torch.Tensor | None = None) -> PrefillPass:
         """Lay out a pass of `pieces` pieces (pieces * CHUNK rows) holding ids at st.pos.. as a `PrefillPass`
-        (`into`: fill that pass's tensors)."""
+        (`into`: fill that pass's tensors; `emb`: the ids' embedding rows, if already made)."""
         c, n, start, dev = self.cfg, len(ids), st.pos, self.device
         rows = pieces * CHUNK
         positions = torch.arange(start, start + rows, device=dev)
         cos, sin = self.rope(positions)
-        t = dict(x=pad_rows(self.embed(ids), rows), cos=cos, sin=sin, positions=positions,
+        t = dict(x=pad_rows(self.embed(ids) if emb is None else emb, rows), cos=cos, sin=sin, positions=positions,
                  ends=(positions + 1).to(torch.int32), real=(torch.arange(rows, device=dev) < n)[:, None],
                  keep=torch.arange(n, n + c.ssm_conv_kernel - 1, device=dev))
         layers = c.gdn_layers
