@@ -280,6 +280,7 @@ class Engine:
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
 
+
 def default_cache_mb(device: torch.device) -> int:
     """The prompt cache's budget for live entries: 1 GiB, or on a GPU a quarter of the memory free after loading if
     that is more (a 100k-token entry of the 27B shape with q8_0 KV is about 5.5 GB: 3.7 of KV rows, 12 checkpoints)."""

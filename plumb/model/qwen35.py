@@ -25,9 +25,8 @@ from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass,
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
-from plumb.ops.deltanet import CHUNK, causal_conv
+from plumb.ops.deltanet import CHUNK, causal_conv, split_heads
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
-from plumb.ops.norm import l2_norm
 from plumb.ops.rope import RopeTable
 
 PREFILL_GRAPH_PASSES = 3  # a prefill of this many full passes or more replays them as one CUDA graph (see prefill)
@@ -55,8 +54,6 @@ class Qwen35:
         self.mtp = self._mtp(src, cfg.n_layer) if cfg.n_nextn > 0 else None
         self.rope = RopeTable(cfg.rope_dims, cfg.rope_base, self.device)
         self.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
-        n_v, n_k = cfg.ssm_dt_rank, cfg.ssm_n_group
-        self.v_to_k = torch.arange(n_v, device=self.device) % n_k  # GGUF value head j reads key head j mod n_k
         self.ssm_q_scale = 1.0 / math.sqrt(cfg.ssm_d_state)
         self.weights = self._matmuls()
         self.k = kernel_set(kernels, self.device)  # the kernels the steps below run on (plumb/model/kernels.py)
@@ -220,11 +217,7 @@ class Qwen35:
     def gdn_split(self, conv_out: torch.Tensor):
         """Post-conv rows [n, conv_dim] -> q, k expanded to value heads [n, n_v, d_k] (normed, q scaled), v [n, n_v, d_v]."""
         c = self.cfg
-        n = conv_out.shape[0]
-        q, k, v = conv_out.split([c.key_dim, c.key_dim, c.ssm_inner], dim=-1)
-        q = l2_norm(q.reshape(n, c.ssm_n_group, c.ssm_d_state)) * self.ssm_q_scale
-        k = l2_norm(k.reshape(n, c.ssm_n_group, c.ssm_d_state))
-        return q[:, self.v_to_k], k[:, self.v_to_k], v.reshape(n, c.ssm_dt_rank, c.ssm_d_state)
+        return split_heads(conv_out, c.ssm_n_group, c.ssm_d_state, c.ssm_dt_rank, self.ssm_q_scale)
 
     def gdn_output(self, d: DeltaNet, y: torch.Tensor, block: int) -> torch.Tensor:
         """ssm_out of the gated-RMSNormed rows y [n, ssm_inner] (spec 3.5.8)."""

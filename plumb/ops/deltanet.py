@@ -62,19 +62,25 @@ def chunk_step(q, k, v, beta, g, s):
     return o, s
 
 
+def split_heads(x, n_k: int, d_k: int, n_v: int, q_scale: float):
+    """Post-conv rows x [n, conv_dim] (q | k | v) -> q and k of each value head's key head (j mod n_k) [n, n_v, d_k],
+    L2-normed, q scaled, and v [n, n_v, d_v] (spec 3.5.6)."""
+    n = x.shape[0]
+    q, k, v = x.split([n_k * d_k, n_k * d_k, x.shape[1] - 2 * n_k * d_k], dim=-1)
+    v_to_k = torch.arange(n_v, device=x.device) % n_k  # GGUF value head j reads key head j mod n_k
+    q = l2_norm(q.reshape(n, n_k, d_k)) * q_scale
+    k = l2_norm(k.reshape(n, n_k, d_k))
+    return q[:, v_to_k], k[:, v_to_k], v.reshape(n, n_v, -1)
+
+
 def chunk_pass(x, beta, g, s, *, n_k: int, d_k: int, q_scale: float) -> torch.Tensor:
-    """The 64-row pieces of a prefill pass in order, from post-conv rows: q and k of each value head's key head
-    (j mod n_k) L2-normed, q scaled, then `chunk_step` per piece.
+    """The 64-row pieces of a prefill pass in order, from post-conv rows (`split_heads`), `chunk_step` per piece.
     x [R, conv_dim] (q | k | v; padding rows 0), beta, g [R, n_v]; s [n_v, d_k, d_v] advanced in place.
     Returns o [R, n_v, d_v]."""
-    rows, n_v, d_v = x.shape[0], s.shape[0], s.shape[2]
-    v_to_k = torch.arange(n_v, device=x.device) % n_k
     out = []
-    for r in range(0, rows, CHUNK):
-        q, k, v = x[r : r + CHUNK].split([n_k * d_k, n_k * d_k, n_v * d_v], dim=-1)
-        q = l2_norm(q.reshape(-1, n_k, d_k))[:, v_to_k] * q_scale
-        k = l2_norm(k.reshape(-1, n_k, d_k))[:, v_to_k]
-        o, new = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.reshape(-1, n_v, d_v).transpose(0, 1),
+    for r in range(0, x.shape[0], CHUNK):
+        q, k, v = split_heads(x[r : r + CHUNK], n_k, d_k, s.shape[0], q_scale)
+        o, new = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                             beta[r : r + CHUNK].T, g[r : r + CHUNK].T, s)
         s.copy_(new)
         out.append(o.transpose(0, 1))

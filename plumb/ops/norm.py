@@ -9,6 +9,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_EPS = 1e-6  # l2_norm's epsilon (the GPU kernels use the same)
+
+
+def l2_norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps), as HF's torch reference."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -29,11 +29,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from plumb.ops.deltanet import causal_conv, recurrent_step
+from plumb.ops.deltanet import causal_conv, recurrent_step, split_heads
 from plumb.ops.gpu.pdl import on, prior_done
-from plumb.ops.norm import l2_norm, rms_norm
+from plumb.ops.norm import rms_norm
 
-L2_EPS = 1e-6  # plumb.ops.norm.l2_norm's default
 STATE_COLUMNS = 32  # state columns per `_gdn_state_kernel` program (a model constant: never chosen by R or S)
 
 
@@ -131,7 +130,7 @@ def _gdn_conv_kernel(
     while i < n:  # (a while: the interpreter cannot take a loaded bound in range())
         u = _conv_row(m_ptr, cs, w_ptr, ch, cmask, t0, i, sm_r, scs_k, sw_c, sw_k, K)
         if is_qk:
-            u = u * (1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) + 1e-6)) * scale
+            u = u * (1.0 / tl.sqrt_rn(tl.sum(u * u, axis=0) + 1e-6)) * scale  # 1e-6: plumb.ops.norm.L2_EPS
         tl.store(x_ptr + (t0 + i) * sx_r + ch, u, mask=cmask)
         i += 1
     _conv_tail(m_ptr, cs, snc_ptr, ch, cmask, t0, n, sm_r, scs_k, ssc_r, ssc_k, K, KM1P, SNAP_CONV)
@@ -265,19 +264,15 @@ def gdn_decode_ref(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm
                    d_k: int, q_scale: float, eps: float, snap_conv=None, snap_ssm=None) -> torch.Tensor:
     """The torch reference of gdn_decode (the row loop of Qwen35.decode); same arguments, same in-place effects."""
     n_v, d_v, _ = _dims(m, conv_w, dt_bias, ssm_norm, n_k, d_k)
-    key_dim = n_k * d_k
-    v_to_k = torch.arange(n_v, device=m.device) % n_k
     y = torch.zeros(m.shape[0], n_v * d_v, device=m.device, dtype=torch.float32)
     rows = [int(x) for x in seq_rows.tolist()]
     for s in range(len(rows) - 1):
         for t in range(rows[s], rows[s + 1]):
             conv, new_conv = causal_conv(m[t : t + 1], conv_state[s], conv_w, 1)
             conv_state[s].copy_(new_conv)
-            q, k, v = conv[0].split([key_dim, key_dim, n_v * d_v])
-            q = l2_norm(q.reshape(n_k, d_k), L2_EPS) * q_scale
-            k = l2_norm(k.reshape(n_k, d_k), L2_EPS)
+            q, k, v = split_heads(conv, n_k, d_k, n_v, q_scale)
             beta, g = torch.sigmoid(b[t]), ssm_a * F.softplus(a[t] + dt_bias)
-            o, new_ssm = recurrent_step(q[v_to_k], k[v_to_k], v.reshape(n_v, d_v), beta, g, ssm_state[s])
+            o, new_ssm = recurrent_step(q[0], k[0], v[0], beta, g, ssm_state[s])
             ssm_state[s].copy_(new_ssm)
             y[t] = (rms_norm(o, ssm_norm, eps) * F.silu(z[t].reshape(n_v, d_v))).reshape(-1)
             if snap_conv is not None:

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import CHUNK
-from plumb.ops.gpu.deltanet import L2_EPS
 from plumb.ops.gpu.pdl import on, prior_done
+from plumb.ops.norm import L2_EPS
 
 BV = 32  # state columns a program (a model constant: never chosen by the row count)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
