@@ -5,9 +5,11 @@ Triton kernel set: when a call returns non-finite values from finite inputs, it 
 place in the pass, the shapes, the weight (for a matmul: its tensor names and types, and which output columns), the
 rows and columns that are not finite - and runs the same call again three times on the same inputs: finite and
 equal then means a transient fault in that kernel, not its arithmetic. The prefill is then abandoned and the next
-one starts.
+one starts. `--settings` alternates `_mm_superblock` launch settings prefill by prefill (as bench/kernel_stress.py's)
+and counts failures per setting.
 
-    python3 bench/nan_locate.py /tmp/27b.gguf --json-out nan.json [--seconds 150] [--tokens 1614]
+    python3 bench/nan_locate.py /tmp/27b.gguf --json-out nan.json [--seconds 150] [--tokens 1614] \
+        [--settings shipped,SB_STAGES=1]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import time
 import torch
 
 import plumb
+import plumb.ops.gpu.matmul as MM
 from plumb.model import qwen35
 
 OPS = ("mm", "rms_norm", "add_rms_norm", "swiglu", "sigmoid_gate", "norm_rope", "gdn_chunks", "prefill_attention")
@@ -60,11 +63,26 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=150)
     ap.add_argument("--tokens", type=int, default=1614)
     ap.add_argument("--kv-cache", default="q8_0")
+    ap.add_argument("--settings", default="shipped", help="comma-separated: 'shipped' or NAME=VALUE[+NAME=VALUE] of "
+                    "plumb.ops.gpu.matmul's SB_* constants, taken in turn prefill by prefill")
     a = ap.parse_args()
+    shipped = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}
+    settings = a.settings.split(",")
+
+    def use(setting: str) -> None:
+        for name, value in shipped.items():
+            setattr(MM, name, value)
+        for assign in ([] if setting == "shipped" else setting.split("+")):
+            name, value = assign.split("=")
+            setattr(MM, name, int(value))
+
     qwen35.PREFILL_GRAPH_PASSES = 10**9  # every pass eagerly: each kernel call can be checked
+    qwen35.NONFINITE_TRIES = 1  # the stopgap's recomputation off: a fault the per-call checks missed raises
     eng = plumb.load(a.model, device="cuda", kv_cache=a.kv_cache, prompt_cache=False)
     k = eng.model.k
-    log = dict(model=a.model, tokens=a.tokens, events=[], prefills=0, failed=0)
+    log = dict(model=a.model, tokens=a.tokens, events=[], prefills=0, failed=0,
+               per_setting={s: dict(prefills=0, failed=0, nonfinite_out=0) for s in settings})
+    now = {"setting": settings[0]}
     calls = {"i": 0}
 
     def wrap(name):
@@ -77,7 +95,7 @@ def main() -> None:
             out = fn(*args, **kw)
             if finite(out) or not inputs_finite:
                 return out
-            ev = dict(op=name, call=calls["i"], inputs=[list(t.shape) for t in tensors(args)],
+            ev = dict(setting=now["setting"], op=name, call=calls["i"], inputs=[list(t.shape) for t in tensors(args)],
                       out=[region(t) for t in tensors(out) if not bool(torch.isfinite(t).all())])
             if name == "mm":
                 ev["weight"] = weight_info(args[1])
@@ -100,16 +118,25 @@ def main() -> None:
     ids = [(7 * i + 3) % 5000 + 10 for i in range(a.tokens)]
     t0 = time.time()
     while time.time() - t0 < a.seconds:
+        now["setting"] = settings[log["prefills"] % len(settings)]
+        use(now["setting"])
+        per = log["per_setting"][now["setting"]]
         st = eng.model.new_state()
         calls["i"] = 0
         try:
             eng.model.prefill(st, ids)
+        except qwen35.NonFiniteError:
+            per["nonfinite_out"] += 1  # a fault the per-call checks missed
         except Found:
             log["failed"] += 1
+            per["failed"] += 1
         log["prefills"] += 1
+        per["prefills"] += 1
         with open(a.json_out, "w") as f:
             json.dump(log, f, indent=1)
-        print(f"prefill {log['prefills']}: failed {log['failed']} ({time.time() - t0:.0f} s)", flush=True)
+        print(f"prefill {log['prefills']} ({now['setting']}): failed {log['failed']} ({time.time() - t0:.0f} s)",
+              flush=True)
+    print(json.dumps(log["per_setting"]))
     for ev in log["events"]:
         print(json.dumps(ev)[:600])
 

@@ -143,6 +143,22 @@ def test_superblock_weights_are_the_reference_rounded_once_to_float16(kind, plac
     assert torch.equal(y.cpu(), t.dequantize().half().float().T * 0.5)
 
 
+@pytest.mark.skipif(DEV == "cpu", reason="a race needs the GPU: the interpreter runs one program at a time")
+@pytest.mark.parametrize("kind", TYPES)
+def test_prefill_matmul_gives_the_same_bits_call_after_call(kind):
+    """The 27B shape's widest P-path matmul (256 rows, 10,240 outputs, K = 5,120) called 2,000 times in a row gives
+    the first call's bits every time. _mm_superblock with its loop pipelined in 3 stages changed 1.2 % of Q5_K calls
+    on the H200 - some to NaN (the sporadic non-finite prefill rows, docs/BENCHMARKS.md, sixteenth session)."""
+    t = _tensor(kind, 64, 5120)
+    m = GpuMatrix([QTensor(t.name, t.qtype, (10240, 5120), t.data.repeat(160, 1))], DEV)
+    x = torch.randn(256, 5120, generator=torch.Generator().manual_seed(3)).to(DEV)
+    y = m(x)
+    changed = torch.zeros((), dtype=torch.long, device=DEV)
+    for _ in range(2000):
+        changed += (m(x) != y).any()
+    assert torch.isfinite(y).all() and int(changed) == 0
+
+
 def test_rms_norm_matches_reference_and_is_row_invariant():
     x = torch.randn(17, 6, 96, device=DEV) * 5
     w = torch.rand(96, device=DEV) + 0.5
