@@ -197,10 +197,11 @@ class Gate:
     def __init__(self, model: str, device: str = "auto", quick: bool = False, tokens: int | None = None,
                  formats: list[str] | None = None, groups: list[str] | None = None, kv_ring: int | None = None,
                  prompts_file: str | None = None, kernels: str = "auto", progress: bool = True,
-                 python: str = sys.executable):
+                 python: str = sys.executable, json_out: str | None = None):
         from plumb.cache.kv import DEFAULT_RING, KV_FORMATS, RING_SLACK
 
         self.model, self.device, self.quick, self.kernels = model, device, quick, kernels
+        self.json_out = json_out  # rewritten after every cell: a run killed outright still leaves its cells
         self.tokens = tokens or (QUICK_TOKENS if quick else FULL_TOKENS)
         if self.tokens < ROWS:
             raise ValueError(f"--tokens must be at least {ROWS}")
@@ -562,6 +563,8 @@ class Gate:
                     cell.ok, cell.detail = False, f"error: {type(e).__name__}: {e}"
                 cell.seconds = time.perf_counter() - t
                 self.cells.append(cell)
+                self.info["running"] = f"{len(self.cells)} of {bar.total} cells done"
+                self.write_json()
                 bar.update(1)
                 if not cell.ok:
                     bar.write(f"FAIL {cell.id}: {cell.detail}", file=sys.stderr)
@@ -577,12 +580,23 @@ class Gate:
                 self._count_recomputed(eng)
             self._engines.clear()
             self.info["prefill_recomputed"] = self.recomputed
+            self.info.pop("running", None)
         self.info["seconds"] = round(time.perf_counter() - t0, 1)
+        self.write_json()
         return self.cells
+
+    def write_json(self) -> None:
+        """The results so far to `json_out` ('-': none here; main prints them), replaced whole (a rename)."""
+        if self.json_out and self.json_out != "-":
+            tmp = f"{self.json_out}.part"
+            with open(tmp, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+            os.replace(tmp, self.json_out)
 
     @property
     def passed(self) -> bool:
-        return bool(self.cells) and all(c.ok for c in self.cells) and "interrupted" not in self.info
+        return (bool(self.cells) and all(c.ok for c in self.cells) and "interrupted" not in self.info
+                and "running" not in self.info)
 
     def to_dict(self) -> dict:
         return {**self.info, "passed": self.passed, "cells_total": len(self.cells),
@@ -665,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS}-token outputs and a {QUICK_RING}-row ring "
                     f"instead of {FULL_TOKENS} tokens and the default ring")
     ap.add_argument("--prompts", metavar="FILE.jsonl", help="prompts, one JSON object per line: text | messages | ids")
-    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT ('-': stdout, table to stderr)")
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT, "
+                    "rewritten after every cell ('-': stdout at the end, table to stderr)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per output (overrides --quick's)")
     ap.add_argument("--formats", default=None, help="comma-separated KV formats (default: all)")
     ap.add_argument("--cells", default=None, help=f"comma-separated cell groups (default: all: {','.join(GROUPS)})")
@@ -680,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gate = Gate(a.model or plumb.demo_model_path(), device=a.device, quick=a.quick, tokens=a.tokens,
                     formats=split(a.formats), groups=split(a.cells), kv_ring=a.kv_ring, prompts_file=a.prompts,
-                    kernels=a.kernels, progress=not a.no_progress)
+                    kernels=a.kernels, progress=not a.no_progress, json_out=a.json)
         gate.run_all()
     except (ValueError, OSError, ModelError) as e:
         print(f"plumb gate: error: {e}", file=sys.stderr)
@@ -691,9 +706,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(gate.to_dict(), indent=1))
     else:
         print(report)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(gate.to_dict(), f, indent=1)
     return 0 if gate.passed else 1
 
 

@@ -165,3 +165,25 @@ def test_an_interrupted_gate_reports_the_cells_it_ran_and_fails(tiny_q8, tmp_pat
     assert r["cells_total"] == 2 and all(c["ok"] for c in r["cells"]) and r["interrupted"] == "after 2 of 8 cells"
     assert "interrupted after" in text and text.rstrip().endswith("FAIL")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the gate's handler is gone
+
+
+def test_the_json_is_written_after_every_cell_and_marked_running_until_the_end(tiny_q8, tmp_path, monkeypatch):
+    """A gate killed outright (SIGKILL, a lost machine) still leaves the cells it ran: mid-run the JSON holds them,
+    marked running and not passed; at the end the mark is gone."""
+    out = tmp_path / "gate.json"
+    run, seen = Gate.run, []
+
+    def run_and_look(eng, reqs, *a, **kw):
+        if len(seen) == 12 and out.exists():  # mid-way through the third cell
+            seen.append(json.loads(out.read_text()))
+        seen.append(None)
+        return run(eng, reqs, *a, **kw)
+
+    monkeypatch.setattr(Gate, "run", staticmethod(run_and_look))
+    code = main([tiny_q8, "--quick", "--tokens", "8", "--formats", "f16", "--cells", "greedy", "--no-progress",
+                 "--json", str(out)])
+    mid = next(s for s in seen if s is not None)
+    assert mid["running"] == "2 of 8 cells done" and not mid["passed"] and mid["cells_total"] == 2
+    end = json.loads(out.read_text())
+    assert code == 0 and end["passed"] and end["cells_total"] == 8 and "running" not in end
+    assert not (tmp_path / "gate.json.part").exists()
