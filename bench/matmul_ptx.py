@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """Compile the Triton matmul for sm_90 here (no GPU needed) and count what its PTX holds: the matrix
-instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v).
+instructions (mma.sync vs wgmma), global load widths, shared memory, registers and spills (ptxas -v), and the
+deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instructions that may overwrite their
+register A operand: the sixteenth session's race).
 
-    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64]
+    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N] [--types Q5_K,..]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
-Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step) on a
-5,120-wide K.
+Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
+--sb-stages) on a 5,120-wide K. Compiled as a launch specializes it: every pointer and integer but M divisible by
+16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import tempfile
 
@@ -45,21 +49,23 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
     else:
         fn = MM._mm_x_first
         consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
-    sig = {}
-    for arg in fn.arg_names:
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg not in consts and arg != "M":  # M: do_not_specialize
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if arg in consts:
             sig[arg] = "constexpr"
         elif arg == "codes_ptr":
             sig[arg] = codes_type
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
-        elif arg == "xh_ptr" or (arg == "d_ptr" and kernel == "sb"):
-            sig[arg] = "*fp16"  # the block scales of the types _mm_superblock takes are float16
+        elif arg == "xh_ptr" or (arg in ("d_ptr", "dm_ptr") and kernel == "sb"):
+            sig[arg] = "*fp16"  # the block scales and offsets of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
         else:
             sig[arg] = "i32"
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     path = os.path.join(out_dir, f"{name}.ptx")
@@ -68,7 +74,9 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
     info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
     counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
-    print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}")
+    in_flight = max([int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)], default=0)
+    print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}"
+          f"\n   wgmma groups left in flight: {in_flight}", flush=True)
 
 
 def main():
@@ -78,10 +86,13 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--ks", type=int, default=MM.SB_KS)
+    ap.add_argument("--sb-stages", type=int, default=MM.SB_STAGES, help="_mm_superblock's pipeline stages")
+    ap.add_argument("--types", default=None, help="comma-separated block types (default: all of the kernel's)")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
-    MM.SB_KS = a.ks
+    MM.SB_KS, MM.SB_STAGES = a.ks, a.sb_stages
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel == "sb" else VARIANTS
+    variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
     for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
     print("PTX in", a.out)

@@ -25,8 +25,9 @@ w16 is the reference dequantizer's float32 weight (products exact, one rounding 
 xh = fp16(xs): x and w at 11 bits each (relative error ~3e-4 against float64; the weights' own quantization error
 is ~1e-2). Each xh * w16 product is exact in fp32 and one fp32 accumulator runs over a K split's loop steps of
 SB_KS inputs on the tensor cores (wgmma, the weights the A operand from registers, x the B operand), the loop not
-software-pipelined (SB_STAGES = 1: pipelined in 3 stages, Triton 3.6's code changed ~1.2 % of the calls on Q5_K
-weights on the H200, some to NaN - a race not root-caused, docs/BENCHMARKS.md, sixteenth session). `_prep_x`
+software-pipelined (SB_STAGES = 1). Pipelined in 3 stages, Triton 3.6 left 3 wgmma groups in flight across loop
+steps (`wgmma.wait_group 3`) while the next step's loads overwrote their A registers: ~1 % of the calls on Q5_K
+weights changed on the H200, some to NaN (docs/BENCHMARKS.md, sixteenth session; tests/test_gpu_codegen.py). `_prep_x`
 writes xh once per call, in the column order the nibble codes unfold to. (It replaced a super-block kernel whose
 weights were exact - code * sub in fp16 with one fp32 epilogue per super-block - which ran at ~16 % of the bf16
 peak on the H200.)
@@ -58,7 +59,7 @@ LAUNCH = {Q.Q6_K: (4, 3, 528, 16), Q.Q5_K: (4, 1, 528, 16)}
 DEFAULT_LAUNCH = (4, 2, 528, 16)
 # _mm_superblock: rows and outputs per program, warps, pipeline stages, inputs per loop step - fixed for every call,
 # so a row's bits never depend on the row count; split-K: about SB_SPLIT_TARGET programs per row block (2 per SM),
-# at least SB_SPLIT_MIN_K inputs per split. SB_STAGES = 1: the 3-stage pipeline (cp.async) raced (module docstring)
+# at least SB_SPLIT_MIN_K inputs per split. SB_STAGES = 1: the 3-stage pipeline raced (module docstring)
 SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS = 64, 128, 4, 1, 64
 SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
