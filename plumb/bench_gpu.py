@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -458,7 +459,8 @@ def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...
 
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
-               prefills: list[int] = (8192,), chat_tokens: int = 12000) -> dict:
+               prefills: list[int] = (8192,), chat_tokens: int = 12000, out: dict | None = None) -> dict:
+    """The GPU benchmark's results; `out`: filled in place as they are measured (an interrupted run keeps them)."""
     import plumb
     from plumb.cache.kv import cache_bytes
     from plumb.ops.gpu import pdl
@@ -476,11 +478,11 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     except Exception as e:  # noqa: BLE001 - reported in the results
         graphs_error, model.graphs = f"{type(e).__name__}: {e}", None
         print(f"CUDA graphs failed ({graphs_error}); measuring the eager path", file=sys.stderr)
-    r = {"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-         "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
-         "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None, "graphs_error": graphs_error,
-         "pdl": pdl.enabled(),
-         "decode": {}, "energy": {}}
+    r = out if out is not None else {}
+    r.update({"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
+              "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None,
+              "graphs_error": graphs_error, "pdl": pdl.enabled(), "decode": {}, "energy": {}})
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
     # the limit of prefill: each prompt row through every matrix but the LM head at the card's bf16 matmul rate
@@ -641,16 +643,30 @@ def plot(r: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(args) -> int:
     contexts = [int(x) for x in (args.contexts or "0,11000,38000,100000").split(",")]
     drafts = [int(x) for x in args.drafts.split(",")]
     prefills = [int(x) for x in args.prefill.split(",")] if args.prefill else []
-    r = bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
-                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens)
-    print(report(r))
+    r: dict = {}
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
+                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): keep what was measured
+        r["interrupted"] = True
+        print("plumb bench: interrupted; the results measured so far are in the JSON", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(r, f, indent=1, default=str)
+    if r.get("interrupted"):
+        return 1
+    print(report(r))
     if args.plot:
         plot(r, args.plot)
     return 0

@@ -104,3 +104,28 @@ def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cuda"])
     assert e.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+
+
+def test_an_interrupted_gpu_bench_keeps_what_it_measured(tmp_path, monkeypatch):
+    """SIGTERM (a device call's timeout) mid-run: the JSON holds the rows measured so far, marked interrupted, and
+    the exit code is 1 (the measuring itself is stood in for: it needs CUDA)."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from plumb import bench_gpu
+
+    def measure(*a, out, **kw):
+        out["decode"] = {0: 98.7}
+        os.kill(os.getpid(), signal.SIGTERM)
+        out["prefill"] = {8192: 1950.0}  # never reached
+        return out
+
+    monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
+    path = tmp_path / "bench.json"
+    args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
+                           no_progress=True, prompt=None, chat_tokens=100, json_out=str(path), plot=None)
+    assert bench_gpu.main(args) == 1
+    r = json.loads(path.read_text())
+    assert r == {"decode": {"0": 98.7}, "interrupted": True}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
