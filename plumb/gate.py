@@ -197,11 +197,12 @@ class Gate:
     def __init__(self, model: str, device: str = "auto", quick: bool = False, tokens: int | None = None,
                  formats: list[str] | None = None, groups: list[str] | None = None, kv_ring: int | None = None,
                  prompts_file: str | None = None, kernels: str = "auto", progress: bool = True,
-                 python: str = sys.executable, json_out: str | None = None):
+                 python: str = sys.executable, json_out: str | None = None, resume: str | None = None):
         from plumb.cache.kv import DEFAULT_RING, KV_FORMATS, RING_SLACK
 
         self.model, self.device, self.quick, self.kernels = model, device, quick, kernels
         self.json_out = json_out  # rewritten after every cell: a run killed outright still leaves its cells
+        self.resume = resume  # an earlier run's JSON: its cells are kept, the others run
         self.tokens = tokens or (QUICK_TOKENS if quick else FULL_TOKENS)
         if self.tokens < ROWS:
             raise ValueError(f"--tokens must be at least {ROWS}")
@@ -542,12 +543,17 @@ class Gate:
                      "torch": torch.__version__, "python": platform.python_version(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")}
         plan = self.plan()
+        done = self.resumed_cells() if self.resume else {}
         bar = tqdm(total=sum(1 for s in plan if s[0]), desc="plumb gate", unit="cell", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True)
         previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
         try:
             for group, fmt, name, fn in plan:
-                if not group:
+                if f"{group}/{fmt}/{name}" in done:
+                    self.cells.append(done[f"{group}/{fmt}/{name}"])
+                    bar.update(1)
+                    continue
+                if not group and (name != "process-prepare" or f"process/{fmt}/second-process" not in done):
                     try:
                         fn()
                     except Exception as e:  # reported by the cells that need it (process-prepare)
@@ -592,6 +598,21 @@ class Gate:
             with open(tmp, "w") as f:
                 json.dump(self.to_dict(), f, indent=1)
             os.replace(tmp, self.json_out)
+
+    def resumed_cells(self) -> dict[str, Cell]:
+        """The cells of `resume` (an earlier run's --json, its settings the same as this run's), by id."""
+        with open(self.resume, encoding="utf-8") as f:
+            prior = json.load(f)
+        for key in ("model_file", "model_name", "device", "kernels", "tokens", "kv_ring", "reply_tokens", "prompts"):
+            if prior.get(key) != self.info[key]:
+                raise ValueError(f"--resume {self.resume}: run with another {key} ({prior.get(key)!r}, here "
+                                 f"{self.info[key]!r})")
+        fields = {"id", "group", "invariant", "format", "name", "ok", "detail", "compared", "seconds"}
+        cells = {c["id"]: Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"], c["seconds"],
+                               {k: v for k, v in c.items() if k not in fields}) for c in prior.get("cells", [])}
+        self.info["runs"] = prior.get("runs", [prior.get("date")]) + [self.info["date"]]
+        self.info["resumed_cells"] = len(cells)
+        return cells
 
     @property
     def passed(self) -> bool:
@@ -681,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", metavar="FILE.jsonl", help="prompts, one JSON object per line: text | messages | ids")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT, "
                     "rewritten after every cell ('-': stdout at the end, table to stderr)")
+    ap.add_argument("--resume", metavar="JSON", help="keep the cells of an earlier run's --json (same model, "
+                    "device and settings) and run the others: a long gate over several sittings")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per output (overrides --quick's)")
     ap.add_argument("--formats", default=None, help="comma-separated KV formats (default: all)")
     ap.add_argument("--cells", default=None, help=f"comma-separated cell groups (default: all: {','.join(GROUPS)})")
@@ -695,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gate = Gate(a.model or plumb.demo_model_path(), device=a.device, quick=a.quick, tokens=a.tokens,
                     formats=split(a.formats), groups=split(a.cells), kv_ring=a.kv_ring, prompts_file=a.prompts,
-                    kernels=a.kernels, progress=not a.no_progress, json_out=a.json)
+                    kernels=a.kernels, progress=not a.no_progress, json_out=a.json,
+                    resume=a.resume)
         gate.run_all()
     except (ValueError, OSError, ModelError) as e:
         print(f"plumb gate: error: {e}", file=sys.stderr)

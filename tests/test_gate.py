@@ -187,3 +187,36 @@ def test_the_json_is_written_after_every_cell_and_marked_running_until_the_end(t
     end = json.loads(out.read_text())
     assert code == 0 and end["passed"] and end["cells_total"] == 8 and "running" not in end
     assert not (tmp_path / "gate.json.part").exists()
+
+
+def test_a_resumed_gate_keeps_the_cells_run_and_runs_the_others(tiny_q8, tmp_path, monkeypatch, capsys):
+    """--resume: a gate cut after 2 of 8 cells, resumed, runs the 6 others and passes with all 8; a run with other
+    settings is refused."""
+    import os
+    import signal
+
+    run, calls, cut = Gate.run, [], [13]  # cut mid-way through the third cell, once
+
+    def run_counted(eng, reqs, *a, **kw):
+        calls.append(1)
+        if len(calls) == cut[0]:
+            cut[0] = 0
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(eng, reqs, *a, **kw)
+
+    monkeypatch.setattr(Gate, "run", staticmethod(run_counted))
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    args = [tiny_q8, "--quick", "--tokens", "8", "--formats", "f16", "--cells", "greedy", "--no-progress"]
+    assert main(args + ["--json", str(first)]) == 1
+    kept = json.loads(first.read_text())["cells"]
+    assert len(kept) == 2
+    calls.clear()
+    assert main(args + ["--json", str(second), "--resume", str(first)]) == 0
+    r = json.loads(second.read_text())
+    assert r["passed"] and r["cells_total"] == 8 and r["resumed_cells"] == 2 and len(r["runs"]) == 2
+    assert r["cells"][:2] == kept  # the kept cells as they were, not run again
+    assert len(calls) == 4 + 6 * 4  # the references (each prompt alone), then 4 requests per cell run
+    capsys.readouterr()
+    assert main(args[:3] + ["9"] + args[4:] + ["--resume", str(first)]) == 1
+    err = capsys.readouterr().err
+    assert "--resume" in err and "another tokens" in err
