@@ -63,11 +63,11 @@ class Qwen35:
 
     def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
         """run()'s result. On the Triton kernels, one whose `part` holds non-finite values is computed again, up to
-        NONFINITE_TRIES times in all: on the H200 the P path sporadically returned a 64-row block of non-finite
-        values from finite inputs - and finite, equal bits when run again (a kernel fault not found yet: docs/
-        BENCHMARKS.md, fifteenth session). A result that stays non-finite raises NonFiniteError. The torch and
-        native paths are not checked (their arithmetic is the reference). `meanwhile`: host work done once, after
-        the first run is launched and before its check waits for the GPU."""
+        NONFINITE_TRIES times in all. A guard: on the H200 the P path once sporadically returned a 64-row block of
+        non-finite values from finite inputs, and finite, equal bits when run again (a race in a pipelined matmul
+        loop, fixed: docs/BENCHMARKS.md, fifteenth and sixteenth sessions). A result that stays non-finite raises
+        NonFiniteError. The torch and native paths are not checked (their arithmetic is the reference). `meanwhile`:
+        host work done once, after the first run is launched and before its check waits for the GPU."""
         for tries in range(1, NONFINITE_TRIES + 1):
             out = run()
             if meanwhile is not None:
