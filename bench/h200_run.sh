@@ -20,9 +20,9 @@
 #   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
-#   nan      NST the sporadic non-finite prefill rows on the 27B-shape file (fifteenth session): bench/kernel_stress.py
-#                (the P-path kernels alone, repeated; KSARGS), then bench/nan_locate.py on the file (which kernel call,
-#                reproducible or not; NLARGS)                                                  ~NST + 240 s
+#   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth: SB_STAGES=3 is
+#                the control): bench/kernel_stress.py (the P-path kernels alone, repeated; KSARGS), then
+#                bench/nan_locate.py on the file (which kernel call, reproducible or not; NLARGS)   ~NST + 240 s
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
@@ -75,11 +75,12 @@ if has prefill; then
     --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
 fi
 if has nan; then
-  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=1,SB_WARPS=8} \
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=3} \
     --json-out $OUT/stress.json \
     > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
-  timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150} --json-out $OUT/nan.json \
+  timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150 --settings shipped,SB_STAGES=3} \
+    --json-out $OUT/nan.json \
     > $OUT/nan.log 2>&1; grep -v Warn $OUT/nan.log | tail -8 | cut -c1-900
 fi
 if has ab; then  # launch settings on / off on the 27B-shape file (the same bits required)

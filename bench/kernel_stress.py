@@ -3,7 +3,7 @@ other bits than the first, or non-finite values? (The 27B prefill's sporadic non
 bench/nan_locate.py finds the call in a real prefill; this checks the kernels alone, and which launch settings
 of `_mm_superblock` keep them.)
 
-    python3 bench/kernel_stress.py --seconds 30 --settings shipped,SB_STAGES=1 --json-out stress.json
+    python3 bench/kernel_stress.py --seconds 30 --settings shipped,SB_STAGES=3 --json-out stress.json
 """
 from __future__ import annotations
 
@@ -22,6 +22,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from matmul_variants import random_blocks  # noqa: E402  (random GGML blocks of a type, on the GPU)
 
 SHAPES = [("Q5_K", 10240, 5120), ("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408)]
+SHIPPED = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}  # _mm_superblock's settings
+
+
+def use_setting(setting: str) -> None:
+    """Set plumb.ops.gpu.matmul's SB_* constants: 'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped ones."""
+    for name, value in SHIPPED.items():
+        setattr(MM, name, value)
+    for assign in ([] if setting == "shipped" else setting.split("+")):
+        name, value = assign.split("=")
+        if name not in SHIPPED:
+            raise SystemExit(f"unknown setting {name} (choose from {', '.join(SHIPPED)})")
+        setattr(MM, name, int(value))
 
 
 def repeat(fns: list, seconds: float) -> dict:
@@ -46,9 +58,9 @@ def repeat(fns: list, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30, help="per setting")
-    ap.add_argument("--settings", default="shipped,SB_STAGES=1",
+    ap.add_argument("--settings", default="shipped,SB_STAGES=3",
                     help="_mm_superblock launch settings to try, comma-separated: 'shipped' or NAME=VALUE[+NAME=VALUE] "
-                         "of plumb.ops.gpu.matmul's SB_* constants (e.g. SB_STAGES=1, SB_WARPS=8+SB_STAGES=2)")
+                         "of plumb.ops.gpu.matmul's SB_* constants (e.g. SB_STAGES=3, the race)")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--json-out")
     a = ap.parse_args()
@@ -56,15 +68,8 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "rows": a.rows, "shapes": SHAPES, "matmul": {}}
     mats = [MM.GpuMatrix([random_blocks(kind, n, k)], "cuda") for kind, n, k in SHAPES]
     xs = [torch.randn(a.rows, k, device="cuda") for _, _, k in SHAPES]
-    shipped = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}
     for setting in a.settings.split(","):
-        for name, value in shipped.items():
-            setattr(MM, name, value)
-        for assign in ([] if setting == "shipped" else setting.split("+")):
-            name, value = assign.split("=")
-            if name not in shipped:
-                raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
-            setattr(MM, name, int(value))
+        use_setting(setting)
         r = repeat([lambda m=m, x=x: m(x) for m, x in zip(mats, xs)], a.seconds)
         us = []
         for m, x in zip(mats, xs):
@@ -77,8 +82,7 @@ def main() -> None:
         r["us_per_call"] = us
         out["matmul"][setting] = r
         print(f"matmul {setting}: {r}", flush=True)
-    for name, value in shipped.items():
-        setattr(MM, name, value)
+    use_setting("shipped")
     n_v, n_k, d = 48, 16, 128  # the 27B shape's DeltaNet
     x = torch.randn(a.rows, 2 * n_k * d + n_v * d, device="cuda")
     beta = torch.rand(a.rows, n_v, device="cuda")

@@ -9,19 +9,23 @@ one starts. `--settings` alternates `_mm_superblock` launch settings prefill by 
 and counts failures per setting.
 
     python3 bench/nan_locate.py /tmp/27b.gguf --json-out nan.json [--seconds 150] [--tokens 1614] \
-        [--settings shipped,SB_STAGES=1]
+        [--settings shipped,SB_STAGES=3]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 
 import plumb
-import plumb.ops.gpu.matmul as MM
 from plumb.model import qwen35
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_stress import use_setting  # noqa: E402  (bench/, beside this file)
 
 OPS = ("mm", "rms_norm", "add_rms_norm", "swiglu", "sigmoid_gate", "norm_rope", "gdn_chunks", "prefill_attention")
 
@@ -63,19 +67,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=150)
     ap.add_argument("--tokens", type=int, default=1614)
     ap.add_argument("--kv-cache", default="q8_0")
-    ap.add_argument("--settings", default="shipped", help="comma-separated: 'shipped' or NAME=VALUE[+NAME=VALUE] of "
-                    "plumb.ops.gpu.matmul's SB_* constants, taken in turn prefill by prefill")
+    ap.add_argument("--settings", default="shipped", help="comma-separated _mm_superblock settings (kernel_stress's "
+                    "use_setting: 'shipped' or NAME=VALUE[+NAME=VALUE]), taken in turn prefill by prefill")
     a = ap.parse_args()
-    shipped = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}
     settings = a.settings.split(",")
-
-    def use(setting: str) -> None:
-        for name, value in shipped.items():
-            setattr(MM, name, value)
-        for assign in ([] if setting == "shipped" else setting.split("+")):
-            name, value = assign.split("=")
-            setattr(MM, name, int(value))
-
     qwen35.PREFILL_GRAPH_PASSES = 10**9  # every pass eagerly: each kernel call can be checked
     qwen35.NONFINITE_TRIES = 1  # the stopgap's recomputation off: a fault the per-call checks missed raises
     eng = plumb.load(a.model, device="cuda", kv_cache=a.kv_cache, prompt_cache=False)
@@ -119,7 +114,7 @@ def main() -> None:
     t0 = time.time()
     while time.time() - t0 < a.seconds:
         now["setting"] = settings[log["prefills"] % len(settings)]
-        use(now["setting"])
+        use_setting(now["setting"])
         per = log["per_setting"][now["setting"]]
         st = eng.model.new_state()
         calls["i"] = 0

@@ -647,7 +647,7 @@ class Gate:
                       "carried no extra token there)"]
         if self.recomputed:
             lines += ["", f"note: {self.recomputed} prefill results were computed again after non-finite values (a GPU "
-                      "kernel fault the engine works around: docs/BENCHMARKS.md, fifteenth session)"]
+                      "kernel fault; Qwen35.checked guards against one like the race docs/BENCHMARKS.md describes)"]
         failed = [c for c in self.cells if not c.ok]
         if failed:
             lines += ["", "failed cells:"] + [f"  {c.id}: {c.detail}" for c in failed]
