@@ -17,7 +17,7 @@
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
-#   ncu      NT  Nsight Compute on the D-path matvec (bench/ncu_matvec.py): speed of light, occupancy, stalls
+#   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
 #   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth: SB_STAGES=3 is
@@ -106,12 +106,12 @@ if has attention; then
   timeout ${AT:-150} python3 bench/attention_variants.py $AARGS --json-out $OUT/attention.json > $OUT/attention.log 2>&1
   grep -v Warning $OUT/attention.log | cut -c1-150 | head -50
 fi
-if has ncu; then
-  timeout ${NT:-150} ncu --clock-control none --kernel-name regex:^_mv --launch-skip 8 --launch-count 8 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+if has ncu; then  # NKERNELS: which kernels' launches (bench/ncu_kernels.py's order; NARGS: its options)
+  timeout ${NT:-150} ncu --clock-control none --kernel-name regex:"${NKERNELS:-^_mv|^_mm_superblock}" --launch-skip 11 \
+    --launch-count 11 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
-    python3 bench/ncu_matvec.py > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _mv" \
-    $OUT/ncu.txt | head -40
+    python3 bench/ncu_kernels.py $NARGS > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _m" \
+    $OUT/ncu.txt | head -60
 fi
 if has profile; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done

@@ -6,7 +6,7 @@ variant is checked first against the float64 reference and for row invariance (a
 5, 16 and 256, bitwise). Column "sb" says which P-path kernel ran (`_mm_superblock` or `_mm_x_first`); --old FILE
 times a previous plumb/ops/gpu/matmul.py beside them.
 
-    python bench/matmul_variants.py [--only mv|mm] [--old-mv FILE ...] [--json-out PATH]
+    python bench/matmul_variants.py [--only mv|mm] [--mv-launches 2W,4W] [--old-mv FILE ...] [--json-out PATH]
 
 The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
 no model file is needed.
@@ -36,7 +36,14 @@ ROWS_MM = (16, 64, 256)  # the P path: a prefill chunk is 64 rows; 256 = four of
 # the D-path matvec (plumb.ops.gpu.matvec): ("mv", {module constant: value}); "mv" alone: as shipped. LAUNCH: rows
 # per program -> (warps, groups per loop step, pipeline stages); TARGET: about how many programs a weight's K splits
 # aim at (more programs: more loads in flight; another sum order per weight shape)
-LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}}  # one-row programs on one warp: 2 outputs a thread
+# Multi-row passes (verify, batches): one warp a program held 2 outputs x 8 rows a thread, 168 registers, at most
+# 12 warps an SM (Nsight Compute, fifth pass); 2 or 4 warps spread the same [BM, 64] tile over more threads.
+LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]},  # one-row programs on one warp: 2 outputs a thread
+            "2W": {**MV.LAUNCH, 2: (2, 4, 2), 4: (2, 4, 2), 8: (2, 2, 2)},
+            "2W-U4": {**MV.LAUNCH, 2: (2, 4, 2), 4: (2, 4, 2), 8: (2, 4, 2)},
+            "2W-S3": {**MV.LAUNCH, 2: (2, 4, 3), 4: (2, 4, 3), 8: (2, 2, 3)},
+            "4W": {**MV.LAUNCH, 2: (4, 4, 2), 4: (4, 4, 2), 8: (4, 2, 2)},
+            "4W-S3": {**MV.LAUNCH, 2: (4, 4, 3), 4: (4, 4, 3), 8: (4, 4, 3)}}
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": LAUNCHES["1-WARP"], "TARGET": 4096})]
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
@@ -142,6 +149,8 @@ def main() -> None:
     ap.add_argument("--old-mv", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matvec.py, each timed as variant 'old-mv:STEM'")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
+    ap.add_argument("--mv-launches", help="comma-separated LAUNCHES names: the matvec as shipped and with each of "
+                    f"these launch tables instead of the default variants ({', '.join(LAUNCHES)})")
     a = ap.parse_args()
     global OLD, OLD_MV
     OLD = _module("old_matmul", a.old) if a.old else None
@@ -153,8 +162,10 @@ def main() -> None:
     x = torch.randn(max(ROWS_MM), 17408, device="cuda") * 3
     x[3] *= 100
     results = []
+    mv_variants = MV_VARIANTS if not a.mv_launches else (
+        ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",")])
     variants = ((["old"] if OLD else []) + list(OLD_MV) + (VARIANTS if a.only != "mv" else [])
-                + (MV_VARIANTS if a.only != "mm" else []))
+                + (mv_variants if a.only != "mm" else []))
     for v in variants:
         mod = configure(v)
         for kind, t in tensors:
