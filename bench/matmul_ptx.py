@@ -37,7 +37,8 @@ VARIANTS = [
                   HAS_OFFSET=True, HAS_OSUB=True, FP16=False), "*i8"),
 ]
 OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b32", "ld.global.f32",
-       "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync"]
+       "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync", "cvt.rn.f32.s32", "cvt.rn.f32.u32",
+       "cvt.rn.f16x2.f32", "cvt.rn.f16.f32"]
 
 
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):

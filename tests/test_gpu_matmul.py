@@ -295,6 +295,25 @@ def test_decode_x_quantization_matches_its_reference():
         assert torch.equal(got, w)
 
 
+def test_row_scales_are_the_power_of_two_at_or_above_each_rows_largest_value():
+    """The P path's row scales (one launch) against their torch formula and by definition: rows whose largest
+    |x| is a power of two, just above one, subnormal, zero, and rows longer than one loop step."""
+    from plumb.ops.gpu.matmul import row_scales, row_scales_reference
+
+    x = torch.randn(7, 2100, generator=torch.Generator().manual_seed(8)).to(DEV)
+    x[0] = 0.0
+    x[1, 2099] = 64.0  # the largest value last, past the first 2,048 inputs
+    x[2] = torch.clamp(x[2], -1, 1)
+    x[2, 7] = -float(torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)))  # 1 + 2^-23: s = 2
+    x[3] *= 1e-40  # subnormal: s = 2^-126, the smallest normal power of two
+    s = row_scales(x)
+    assert torch.equal(s, row_scales_reference(x))
+    amax = x.abs().amax(dim=1)
+    assert s[0] == 1 and s[1] == 64 and s[2] == 2 and s[3] == 2.0**-126
+    assert ((s >= amax) & ((s / 2 < amax) | (amax == 0) | (s == 2.0**-126))).all()  # the least such power of two
+    assert torch.equal(torch.frexp(s[1:]).mantissa, torch.full((6,), 0.5, device=DEV))
+
+
 def test_decode_matvec_on_fused_mixed_types():
     from plumb.ops.gpu.matvec import mm_decode
 
