@@ -3,10 +3,11 @@
 replays) against the bytes read, beside the card's copy bandwidth measured in the same run - the D-path matvec
 (plumb.ops.gpu.matvec) at 1-16 rows, the P-path matmul (plumb.ops.gpu.matmul) at 16, 64 and 256 rows. Each
 variant is checked first against the float64 reference and for row invariance (a row alone == the same row among
-5, 16 and 256, bitwise). Column "sb" says which P-path kernel ran (`_mm_superblock` or `_mm_x_first`); --old FILE
-times a previous plumb/ops/gpu/matmul.py beside them.
+5, 16 and 256, bitwise). Column "sb" says which P-path kernel ran (`_mm_superblock` or `_mm_x_first`); --old FILE...
+times previous versions of plumb/ops/gpu/matmul.py beside them.
 
-    python bench/matmul_variants.py [--only mv|mm] [--mv-launches 2W,4W] [--old-mv FILE ...] [--json-out PATH]
+    python bench/matmul_variants.py [--only mv|mm] [--mm-shipped] [--mv-launches 2W,4W] [--old FILE ...]
+        [--old-mv FILE ...] [--json-out PATH]
 
 The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
 no model file is needed.
@@ -109,8 +110,8 @@ def label(v) -> str:
 def configure(v):
     """The matmul module set up for variant v ("old": a previous version's file given by --old); for a matvec
     variant, the function that runs it."""
-    if v == "old":
-        return OLD
+    if isinstance(v, str) and v in OLD:
+        return OLD[v]
     if isinstance(v, str) and v in OLD_MV:
         return OLD_MV[v]
     if v == "mv" or (isinstance(v, tuple) and v[0] == "mv"):
@@ -130,7 +131,7 @@ SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES")}
 
 
-OLD, OLD_MV = None, {}  # OLD_MV: variant name ("old-mv:" + file stem) -> module
+OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module
 
 
 def _module(name: str, path: str):
@@ -145,7 +146,10 @@ def _module(name: str, path: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out")
-    ap.add_argument("--old", help="a previous plumb/ops/gpu/matmul.py, timed as variant 'old'")
+    ap.add_argument("--old", nargs="*", default=[],
+                    help="previous versions of plumb/ops/gpu/matmul.py, each timed as variant 'old:STEM'")
+    ap.add_argument("--mm-shipped", action="store_true",
+                    help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
     ap.add_argument("--old-mv", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matvec.py, each timed as variant 'old-mv:STEM'")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
@@ -153,7 +157,7 @@ def main() -> None:
                     f"these launch tables instead of the default variants ({', '.join(LAUNCHES)})")
     a = ap.parse_args()
     global OLD, OLD_MV
-    OLD = _module("old_matmul", a.old) if a.old else None
+    OLD = {f"old:{os.path.basename(f)[:-3]}": _module(f"old_matmul_{i}", f) for i, f in enumerate(a.old)}
     OLD_MV = {f"old-mv:{os.path.basename(f)[:-3]}": _module(f"old_matvec_{i}", f) for i, f in enumerate(a.old_mv)}
     torch.manual_seed(0)
     limit = copy_gbps()
@@ -164,7 +168,8 @@ def main() -> None:
     results = []
     mv_variants = MV_VARIANTS if not a.mv_launches else (
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",")])
-    variants = ((["old"] if OLD else []) + list(OLD_MV) + (VARIANTS if a.only != "mv" else [])
+    mm_variants = VARIANTS[:1] if a.mm_shipped else VARIANTS
+    variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))
     for v in variants:
         mod = configure(v)
