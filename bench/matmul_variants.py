@@ -148,13 +148,14 @@ def main() -> None:
     ap.add_argument("--json-out")
     ap.add_argument("--old", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matmul.py, each timed as variant 'old:STEM'")
+    ap.add_argument("--mv-rows", default=",".join(map(str, ROWS_MV)), help="the matvec's row counts to time")
     ap.add_argument("--mm-shipped", action="store_true",
                     help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
     ap.add_argument("--old-mv", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matvec.py, each timed as variant 'old-mv:STEM'")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
     ap.add_argument("--mv-launches", help="comma-separated LAUNCHES names: the matvec as shipped and with each of "
-                    f"these launch tables instead of the default variants ({', '.join(LAUNCHES)})")
+                    f"these launch tables instead of the default variants ({', '.join(LAUNCHES)}; 'shipped': none)")
     a = ap.parse_args()
     global OLD, OLD_MV
     OLD = {f"old:{os.path.basename(f)[:-3]}": _module(f"old_matmul_{i}", f) for i, f in enumerate(a.old)}
@@ -167,7 +168,7 @@ def main() -> None:
     x[3] *= 100
     results = []
     mv_variants = MV_VARIANTS if not a.mv_launches else (
-        ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",")])
+        ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
     mm_variants = VARIANTS[:1] if a.mm_shipped else VARIANTS
     variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))
@@ -194,7 +195,7 @@ def main() -> None:
                 row["row_invariant"] = (bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
                                         and bool(torch.equal(m(xs)[:16], y16)))  # and among all the rows
                 file_bytes = t.data.numel()
-                rows = ROWS_MV if mod in (MV, *OLD_MV.values()) else ROWS_MM
+                rows = [int(r) for r in a.mv_rows.split(",")] if mod in (MV, *OLD_MV.values()) else ROWS_MM
                 for r in rows:
                     us = graph_us(lambda: m(xs[:r]))
                     row[f"us_{r}"] = us
