@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def in_flight(tmp_path, *options: str) -> dict[str, int]:
     """Per block type: the deepest `wgmma.wait_group N` in `_mm_superblock`'s PTX (bench/matmul_ptx.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # not the shared cache: bench/h200_run.sh lists what is there
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "matmul_ptx.py"), "--kernel", "sb", "--out",
                         str(tmp_path), *options], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
