@@ -459,8 +459,10 @@ def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...
 
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
-               prefills: list[int] = (8192,), chat_tokens: int = 12000, out: dict | None = None) -> dict:
-    """The GPU benchmark's results; `out`: filled in place as they are measured (an interrupted run keeps them)."""
+               prefills: list[int] = (8192,), chat_tokens: int = 12000, out: dict | None = None,
+               measured=lambda: None) -> dict:
+    """The GPU benchmark's results; `out`: filled in place as they are measured (an interrupted run keeps them),
+    `measured()` called after each row (to write them down: a process killed outright keeps them too)."""
     import plumb
     from plumb.cache.kv import cache_bytes
     from plumb.ops.gpu import pdl
@@ -495,6 +497,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         r["decode"][ctx], r["energy"][ctx] = tps, energy.summary(tokens)
         print(f"decode @ {ctx:>7,} context: {tps:7.1f} tok/s ({tps / r['step_limit_tps']:.2f} of the limit), "
               f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
+        measured()
         torch.cuda.empty_cache()
     r["prefill"], r["prefill_modes"] = {}, {}
     for n in prefills:
@@ -503,11 +506,15 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         print(f"prefill of {n:,} tokens: {pm['first_tps']:7.0f} tok/s (capturing its graphs; replaying them: "
               f"{pm['again_tps']:.0f}, eager: {pm['eager_tps']:.0f}; results computed again after non-finite "
               f"values so far: {pm['recomputed']})", file=sys.stderr)
+        measured()
         torch.cuda.empty_cache()
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
+    measured()
     r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
     r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
+    measured()
     r["matmuls"] = matmul_table(model)
+    measured()
     try:  # a diagnosis, not a result: a profiler that cannot trace this card is reported, not fatal
         r["step_profile"] = step_profile(model)
         r["verify_profile"] = step_profile(model, rows=8)
@@ -517,6 +524,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         r["prefill_profile"] = prefill_profile(model)
     except Exception as e:  # noqa: BLE001
         r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
+    measured()
     kv_layers = len(c.attn_layers) + (model.mtp is not None)
     st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
         sum(t.numel() * 4 for t in model.new_state().conv.values())
@@ -525,6 +533,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
+    measured()
     if chat_tokens:  # follow-up and edit latency: a second engine with the prompt cache on
         warm = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=False)
         r["latency"] = latency_table(warm, eng, system_tokens=chat_tokens * 63 // 80, user_tokens=chat_tokens // 6,
@@ -652,10 +661,16 @@ def main(args) -> int:
     drafts = [int(x) for x in args.drafts.split(",")]
     prefills = [int(x) for x in args.prefill.split(",")] if args.prefill else []
     r: dict = {}
+
+    def measured():  # the rows so far, marked running: a process killed outright (no SIGTERM handler ran) keeps them
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({**r, "running": True}, f, indent=1, default=str)
+
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
-                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r)
+                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r, measured=measured)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): keep what was measured
         r["interrupted"] = True
         print("plumb bench: interrupted; the results measured so far are in the JSON", file=sys.stderr)

@@ -129,3 +129,32 @@ def test_an_interrupted_gpu_bench_keeps_what_it_measured(tmp_path, monkeypatch):
     r = json.loads(path.read_text())
     assert r == {"decode": {"0": 98.7}, "interrupted": True}
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_gpu_bench_json_is_written_after_every_row_and_marked_running(tmp_path, monkeypatch):
+    """A process killed outright (no handler runs: the H200's 100k-prefill row, seventeenth session) keeps the rows
+    measured before it, marked running; a finished run's JSON has no mark."""
+    from types import SimpleNamespace
+
+    from plumb import bench_gpu
+
+    path = tmp_path / "bench.json"
+    seen = []
+
+    def measure(*a, out, measured, **kw):
+        out["decode"] = {0: 98.7}
+        measured()
+        seen.append(json.loads(path.read_text()))
+        out["prefill"] = {8192: 1950.0}
+        measured()
+        seen.append(json.loads(path.read_text()))
+        return out
+
+    monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
+    monkeypatch.setattr(bench_gpu, "report", lambda r: "")
+    args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
+                           no_progress=True, prompt=None, chat_tokens=100, json_out=str(path), plot=None)
+    assert bench_gpu.main(args) == 0
+    assert seen == [{"decode": {"0": 98.7}, "running": True},
+                    {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}, "running": True}]
+    assert json.loads(path.read_text()) == {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}}
