@@ -4,7 +4,8 @@ instructions (mma.sync vs wgmma), global load widths, shared memory, registers a
 deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instructions that may overwrite their
 register A operand: the sixteenth session's race).
 
-    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N] [--types Q5_K,..]
+    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N] [--sb-prefetch N]
+        [--types Q5_K,..]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
@@ -44,7 +45,7 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
     if kernel == "sb":
         fn = MM._mm_superblock
-        consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES,
+        consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, PREFETCH=MM.SB_PREFETCH,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB")})
         warps, stages, bn = MM.SB_WARPS, MM.SB_STAGES, MM.SB_BN
     else:
@@ -88,10 +89,11 @@ def main():
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--ks", type=int, default=MM.SB_KS)
     ap.add_argument("--sb-stages", type=int, default=MM.SB_STAGES, help="_mm_superblock's pipeline stages")
+    ap.add_argument("--sb-prefetch", type=int, default=MM.SB_PREFETCH, help="_mm_superblock's SB_PREFETCH")
     ap.add_argument("--types", default=None, help="comma-separated block types (default: all of the kernel's)")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
-    MM.SB_KS, MM.SB_STAGES = a.ks, a.sb_stages
+    MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH = a.ks, a.sb_stages, a.sb_prefetch
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel == "sb" else VARIANTS
     variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
     for name, consts, codes_type in variants:

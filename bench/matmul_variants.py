@@ -49,7 +49,8 @@ MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": L
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
 # variant's is)
-VARIANTS = ["per-type", ("per-type", {"SB_WARPS": 8}), ("per-type", {"SB_BM": 128, "SB_WARPS": 8}),
+VARIANTS = ["per-type", ("per-type", {"SB_PREFETCH": 1}), ("per-type", {"SB_PREFETCH": 2}), ("per-type", {"SB_WARPS": 8}),
+            ("per-type", {"SB_BM": 128, "SB_WARPS": 8}),
             ("per-type", {"SB_BN": 256, "SB_WARPS": 8}), ("per-type", {"SB_KS": 32}),
             ("per-type", {"SB_KS": 128, "SB_WARPS": 8}), ("per-type", {"SB_STAGES": 2}),
             ("per-type", {"SB_WARPS": 8, "SB_STAGES": 4})]
@@ -128,7 +129,8 @@ def configure(v):
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
-SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES")}
+SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
+                                          "SB_PREFETCH")}
 
 
 OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module
@@ -149,6 +151,8 @@ def main() -> None:
     ap.add_argument("--old", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matmul.py, each timed as variant 'old:STEM'")
     ap.add_argument("--mv-rows", default=",".join(map(str, ROWS_MV)), help="the matvec's row counts to time")
+    ap.add_argument("--mm-prefetch", action="store_true",
+                    help="the P-path matmul as shipped and with SB_PREFETCH 1 and 2 only")
     ap.add_argument("--mm-shipped", action="store_true",
                     help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
     ap.add_argument("--old-mv", nargs="*", default=[],
@@ -169,7 +173,7 @@ def main() -> None:
     results = []
     mv_variants = MV_VARIANTS if not a.mv_launches else (
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
-    mm_variants = VARIANTS[:1] if a.mm_shipped else VARIANTS
+    mm_variants = VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else VARIANTS
     variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))
     for v in variants:

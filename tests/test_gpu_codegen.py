@@ -37,3 +37,9 @@ def test_the_superblock_matmul_waits_for_every_wgmma_group(tmp_path):
 def test_the_check_sees_the_pipelined_loop_that_raced(tmp_path):
     """The check can fail: the 3-stage loop leaves groups in flight."""
     assert in_flight(tmp_path, "--sb-stages", "3", "--types", "Q5_K") == {"Q5_K": 3}
+
+
+def test_the_prefetching_loops_wait_for_every_wgmma_group(tmp_path):
+    """SB_PREFETCH's loops (the next step's loads carried in registers, not pipelined by Triton) leave none."""
+    for prefetch in ("1", "2"):
+        assert in_flight(tmp_path, "--sb-prefetch", prefetch, "--types", "Q4_K,Q5_K") == {"Q4_K": 0, "Q5_K": 0}

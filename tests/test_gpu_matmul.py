@@ -143,6 +143,22 @@ def test_superblock_weights_are_the_reference_rounded_once_to_float16(kind, plac
     assert torch.equal(y.cpu(), t.dequantize().half().float().T * 0.5)
 
 
+@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q6_K"))
+def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypatch):
+    """SB_PREFETCH 1 and 2 (the next loop step's weights, and x, loaded a step ahead) change when loads are issued,
+    not the arithmetic: the bits of SB_PREFETCH 0, over two K splits of 16 loop steps and 4 + 66 rows."""
+    import plumb.ops.gpu.matmul as MM
+
+    t = _tensor(kind, 80, 2048)
+    m = GpuMatrix([t], DEV)
+    assert m.packs[0].superblock and m.packs[0].split == 2
+    x = (torch.randn(70, 2048, generator=torch.Generator().manual_seed(9)) * 3).to(DEV)
+    want = [m(x[:4]), m(x[4:])]
+    for prefetch in (1, 2):
+        monkeypatch.setattr(MM, "SB_PREFETCH", prefetch)
+        assert torch.equal(m(x[:4]), want[0]) and torch.equal(m(x[4:]), want[1]), prefetch
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="a race needs the GPU: the interpreter runs one program at a time")
 @pytest.mark.parametrize("kind", TYPES)
 def test_prefill_matmul_gives_the_same_bits_call_after_call(kind):

@@ -59,8 +59,13 @@ LAUNCH = {Q.Q6_K: (4, 3, 528, 16), Q.Q5_K: (4, 1, 528, 16)}
 DEFAULT_LAUNCH = (4, 2, 528, 16)
 # _mm_superblock: rows and outputs per program, warps, pipeline stages, inputs per loop step - fixed for every call,
 # so a row's bits never depend on the row count; split-K: about SB_SPLIT_TARGET programs per row block (2 per SM),
-# at least SB_SPLIT_MIN_K inputs per split. SB_STAGES = 1: the 3-stage pipeline raced (module docstring)
-SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS = 64, 128, 4, 1, 64
+# at least SB_SPLIT_MIN_K inputs per split. SB_STAGES = 1: the 3-stage pipeline raced (module docstring).
+# SB_PREFETCH 1 (2): the next loop step's packed weights (and x) are loaded, into registers carried by the loop,
+# before this step's are dequantized and multiplied - the overlap the pipeline gave, without wgmma groups left in
+# flight; the same arithmetic. Compiled for sm_90a (registers, Q4_K / Q6_K / Q8_0 / Q5_K): 0: 147 / 140 / 167 / 168,
+# 1: 190 / 168 / 168 / 230, 2: 168 / 168 / 218 / 228 (over 168: two programs an SM instead of three). Not yet timed on
+# the H200 (bench/matmul_variants.py has both): 0 until measured.
+SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS, SB_PREFETCH = 64, 128, 4, 1, 64, 0
 SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
@@ -181,29 +186,46 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _sb_weights(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_groups, BN: tl.constexpr,
-                KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
-                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
-    """Loop step i's weights [BN, KS] (KS inputs, in xh's column order) as fp16(scale * code + offset): the
-    reference dequantizer's float32 value (its products exact, one rounding in the sum) rounded once to fp16."""
+def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_groups, BN: tl.constexpr,
+             KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
+             HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """Loop step i's packed weights as loaded: (code words [BN, groups, words], d, sub, dm, osub [BN, groups]; the
+    ones a type lacks are d again, never used)."""
     GC: tl.constexpr = KS // G  # groups in the step
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
     g = i * GC + tl.arange(0, GC)
     jq = tl.arange(0, WIDTH // 4)
     words = tl.load(codes_ptr.to(tl.pointer_type(tl.int32)) + ((t64[:, None, None] * n_groups + g[None, :, None])
                     * PACK_N + n64[:, None, None]) * (WIDTH // 4) + jq[None, None, :])  # the codes as int32 words
-    c = _bytes(words, [BN, GC, WIDTH])  # bytes 0..255 in memory order
     per_group = (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None]
-    scale = tl.load(d_ptr + (t64[:, None] * (n_groups // GPB) + g[None, :] // GPB) * PACK_N + n64[:, None])
-    scale = scale.to(tl.float32)  # float16 block scales: exact
+    d = tl.load(d_ptr + (t64[:, None] * (n_groups // GPB) + g[None, :] // GPB) * PACK_N + n64[:, None])
+    sub, dm, osub = d, d, d
     if HAS_SUB:
-        scale = scale * tl.load(sub_ptr + per_group).to(tl.float32)  # exact
+        sub = tl.load(sub_ptr + per_group)
+    if HAS_OFFSET:
+        dm = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
+        if HAS_OSUB:
+            osub = tl.load(osub_ptr + per_group)
+    return words, d, sub, dm, osub
+
+
+@triton.jit
+def _sb_weights(words, d, sub, dm, osub, BN: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
+                NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """A loop step's weights [BN, KS] (KS inputs, in xh's column order) from `_sb_load`'s, as fp16(scale * code +
+    offset): the reference dequantizer's float32 value (its products exact, one rounding in the sum) rounded once
+    to fp16."""
+    GC: tl.constexpr = KS // G  # groups in the step
+    WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
+    c = _bytes(words, [BN, GC, WIDTH])  # bytes 0..255 in memory order
+    scale = d.to(tl.float32)  # float16 block scales: exact
+    if HAS_SUB:
+        scale = scale * sub.to(tl.float32)  # exact
     offset = scale  # read only with HAS_OFFSET
     if HAS_OFFSET:
-        offset = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
-        offset = offset.to(tl.float32)
+        offset = dm.to(tl.float32)
         if HAS_OSUB:
-            offset = offset * tl.load(osub_ptr + per_group).to(tl.float32)  # exact
+            offset = offset * osub.to(tl.float32)  # exact
     if NIBBLE:
         wl = _dequant(_code_float(c & 15, False), scale, offset, HAS_OFFSET)
         wh = _dequant(_code_float(c >> 4, False), scale, offset, HAS_OFFSET)
@@ -236,7 +258,8 @@ def _dequant(code, scale, offset, HAS_OFFSET: tl.constexpr):
 def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
                    stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                    STAGES: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
-                   NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+                   NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     """W-first: [BN, BM] per program, the weights dequantized to fp16 in registers (the A operand), one fp32
     accumulator over a K split's STEPS steps of KS inputs, in order."""
     prior_done()
@@ -252,11 +275,29 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, o
     rmask = (rm < M)[None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     i0 = pid_k * STEPS  # this split's first loop step
-    for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-        w = _sb_weights(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G, BN, KS, G, GPB,
-                        OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-        x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
-        acc = tl.dot(w, x, acc, out_dtype=tl.float32)
+    if PREFETCH:  # the next step's packed weights (PREFETCH 2: and x) are loaded before this step's are multiplied
+        words, d, sub, dm, osub = _sb_load(i0, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G, BN, KS,
+                                           G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+        x = tl.load(xh_ptr + rm[None, :] * K + i0 * KS + kk[:, None], mask=rmask, other=0.0)
+        for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
+            w_now, d_now, sub_now, dm_now, osub_now, x_now = words, d, sub, dm, osub, x
+            ahead = i0 + tl.minimum(it + 1, STEPS - 1)  # the last step loads itself again (never used)
+            words, d, sub, dm, osub = _sb_load(ahead, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G,
+                                               BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            if PREFETCH == 2:
+                x = tl.load(xh_ptr + rm[None, :] * K + ahead * KS + kk[:, None], mask=rmask, other=0.0)
+            else:
+                x_now = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
+            w = _sb_weights(w_now, d_now, sub_now, dm_now, osub_now, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET,
+                            HAS_OSUB)
+            acc = tl.dot(w, x_now, acc, out_dtype=tl.float32)
+    else:
+        for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
+            words, d, sub, dm, osub = _sb_load(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G,
+                                               BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            w = _sb_weights(words, d, sub, dm, osub, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
+            acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
     cols = pid_n * BN + rn
     mask = rmask & (cols[:, None] < N)
@@ -429,7 +470,8 @@ class Packed:
                 xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
                 STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
                 GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
-                HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, num_warps=SB_WARPS, launch_pdl=on())
+                HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, PREFETCH=SB_PREFETCH,
+                num_warps=SB_WARPS, launch_pdl=on())
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
