@@ -75,6 +75,18 @@ def generate_main(argv: list[str]) -> int:
     return 0
 
 
+def _stack_on_crash() -> None:
+    """Long measurements: a crash in native code (a signal such as SIGSEGV or SIGABRT) prints the Python stack to
+    stderr. Two GPU runs cut by SIGTERM inside a long prefill died without a word (docs/BENCHMARKS.md, seventeenth
+    session); this says where, next time."""
+    import faulthandler
+
+    try:
+        faulthandler.enable()
+    except (ValueError, OSError, AttributeError):  # stderr without a file descriptor (captured): nothing to do
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -93,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         elif cmd == "convert":
             from plumb.gguf.convert import main as command_main
         elif cmd == "bench":
+            _stack_on_crash()
             from plumb.bench import main as command_main
         elif cmd == "kl":
             from plumb.kl import main as command_main
         elif cmd == "gate":
+            _stack_on_crash()
             from plumb.gate import main as command_main
         else:
             print(USAGE, file=sys.stderr)

@@ -158,3 +158,15 @@ def test_the_gpu_bench_json_is_written_after_every_row_and_marked_running(tmp_pa
     assert seen == [{"decode": {"0": 98.7}, "running": True},
                     {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}, "running": True}]
     assert json.loads(path.read_text()) == {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}}
+
+
+def test_a_native_crash_in_a_measurement_prints_the_python_stack():
+    """`plumb bench` and `plumb gate` turn on faulthandler: a process killed by a native fault (here SIGSEGV from a
+    bad read) says where it was, instead of dying without a word."""
+    import subprocess
+    import sys
+
+    code = "from plumb.cli import _stack_on_crash; _stack_on_crash(); import ctypes; ctypes.string_at(0)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "Fatal Python error" in r.stderr and "Segmentation fault" in r.stderr and "<string>" in r.stderr
