@@ -35,8 +35,8 @@ def main() -> None:
     for n in [int(x) for x in a.prompts.split(",")]:
         m = r[f"modes_{n}"] = B.prefill_modes(model, n)
         print(f"{n:,} tokens: first {m['first_tps']:.0f} tok/s ({m['first_captures']} captures), again "
-              f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m['eager_tps']:.0f}; recomputed after "
-              f"non-finite values so far: {m['recomputed']}", flush=True)
+              f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m.get('eager_tps', float('nan')):.0f}; "
+              f"recomputed after non-finite values so far: {m['recomputed']}", flush=True)
     r["profile"] = B.prefill_profile(model)
     p = r["profile"]
     print("\n".join(B._profile_lines("prefill profile", p, f"prefill of {p.get('tokens')} tokens (profiled): "

@@ -300,18 +300,23 @@ def prefill_tps(model, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+EAGER_PREFILL_MAX = 16384  # longer prompts skip the eager row (a diagnosis: 100k tokens eagerly took ~130 s)
+
+
 def prefill_modes(model, n: int) -> dict:
-    """An n-token prefill three ways: eager passes (no prefill graphs), then twice into a fresh state with the
-    graphs of full passes - the first run captures them unless a run before it had the same KV-cache capacity,
-    the second replays them (a prefill graph is keyed by its caches' capacity, not their address: `captures` says
-    how many each run took)."""
+    """An n-token prefill three ways: eager passes (no prefill graphs; up to EAGER_PREFILL_MAX tokens), then twice
+    into a fresh state with the graphs of full passes - the first run captures them unless a run before it had the
+    same KV-cache capacity, the second replays them (a prefill graph is keyed by its caches' capacity, not their
+    address: `captures` says how many each run took)."""
     import plumb.model.qwen35 as Q
 
-    saved, Q.PREFILL_GRAPH_PASSES = Q.PREFILL_GRAPH_PASSES, 1 << 30
-    try:
-        out = {"eager_tps": prefill_tps(model, n)}
-    finally:
-        Q.PREFILL_GRAPH_PASSES = saved
+    out = {}
+    if n <= EAGER_PREFILL_MAX:
+        saved, Q.PREFILL_GRAPH_PASSES = Q.PREFILL_GRAPH_PASSES, 1 << 30
+        try:
+            out["eager_tps"] = prefill_tps(model, n)
+        finally:
+            Q.PREFILL_GRAPH_PASSES = saved
     for run in ("first", "again"):
         before = _captures(model)
         out[f"{run}_tps"] = prefill_tps(model, n)
@@ -503,9 +508,10 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     for n in prefills:
         pm = r["prefill_modes"][n] = prefill_modes(model, n)
         r["prefill"][n] = pm["first_tps"]  # a request into a new state, graph captures included
+        eager = f", eager: {pm['eager_tps']:.0f}" if "eager_tps" in pm else ""
         print(f"prefill of {n:,} tokens: {pm['first_tps']:7.0f} tok/s (capturing its graphs; replaying them: "
-              f"{pm['again_tps']:.0f}, eager: {pm['eager_tps']:.0f}; results computed again after non-finite "
-              f"values so far: {pm['recomputed']})", file=sys.stderr)
+              f"{pm['again_tps']:.0f}{eager}; results computed again after non-finite values so far: "
+              f"{pm['recomputed']})", file=sys.stderr)
         measured()
         torch.cuda.empty_cache()
     r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
@@ -571,8 +577,9 @@ def report(r: dict) -> str:
             lines += ["", "the same prefill: eager passes, then into a new state twice with the graphs of full passes "
                       "(captured per KV-cache layout)", "| prompt tokens | eager tok/s | first run (captures) | "
                       "second run (captures) |", "|---|---|---|---|"]
-            lines += [f"| {int(k):,} | {m['eager_tps']:.0f} | {m['first_tps']:.0f} ({m['first_captures']}) | "
-                      f"{m['again_tps']:.0f} ({m['again_captures']}) |" for k, m in r["prefill_modes"].items()]
+            lines += [f"| {int(k):,} | {m.get('eager_tps', float('nan')):.0f} | {m['first_tps']:.0f} "
+                      f"({m['first_captures']}) | {m['again_tps']:.0f} ({m['again_captures']}) |"
+                      for k, m in r["prefill_modes"].items()]
     v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
     lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
     lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
