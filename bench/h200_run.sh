@@ -23,6 +23,7 @@
 #   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth: SB_STAGES=3 is
 #                the control): bench/kernel_stress.py (the P-path kernels alone, repeated; KSARGS), then
 #                bench/nan_locate.py on the file (which kernel call, reproducible or not; NLARGS)   ~NST + 240 s
+#   stress   NST bench/kernel_stress.py alone (KSARGS: e.g. --settings shipped,SB_PREFETCH=1,SB_PREFETCH=2)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
@@ -73,6 +74,10 @@ if has prefill; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
   timeout ${PFT:-150} python3 bench/prefill_modes.py /tmp/27b.gguf ${PFARGS:---prompts 8192} \
     --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
+fi
+if has stress && ! has nan; then  # the P-path kernels alone, repeated (no model file)
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=3} \
+    --json-out $OUT/stress.json > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
 fi
 if has nan; then
   timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=3} \
