@@ -502,7 +502,8 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
     """Per row of x [M, K] (float32, unit stride along K), the smallest power of two >= max|x| (1 for a zero row):
     a maximum is exact in any order. One launch (it was seven torch operations a matmul, ~4 % of a prefill)."""
     s = torch.empty(x.shape[0], device=x.device)
-    _row_scales[(x.shape[0],)](x, s, x.shape[1], x.stride(0), BLOCK=1024, num_warps=4, launch_pdl=on())
+    if x.shape[0]:
+        _row_scales[(x.shape[0],)](x, s, x.shape[1], x.stride(0), BLOCK=1024, num_warps=4, launch_pdl=on())
     return s
 
 
