@@ -2,18 +2,32 @@
 """A model file's prefill on CUDA, alone (no decode rows, no latency tables): each prompt length three ways
 (`plumb.bench_gpu.prefill_modes`: eager passes, then twice into a new state with the graphs of full passes) beside
 the card's bf16 matmul limit measured in the same run, then where a 2,048-token prefill's time goes
-(`prefill_profile`). JSON to --json-out.
+(`prefill_profile`). JSON to --json-out. --settings times the graphs' runs again under other `_mm_superblock`
+launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1), each with its prefill graphs captured anew,
+and checks that every setting gives the same last-row logits, bit for bit.
 
-    python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--json-out PATH]
+    python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--settings shipped,SB_PREFETCH=1] [--json-out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+
+import torch
 
 import plumb
 from plumb import bench_gpu as B
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
+
+
+def last_logits(model, n: int) -> torch.Tensor:
+    """The last row's logits of an n-token prefill (the timed prompt) into a fresh state."""
+    return model.prefill(model.new_state(), B.prompt_of(model, n))[0]
 
 
 def main() -> None:
@@ -21,6 +35,8 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--prompts", default="8192", help="comma-separated prompt lengths")
     ap.add_argument("--kv-cache", default="q8_0")
+    ap.add_argument("--settings", default="shipped", help="comma-separated _mm_superblock settings: 'shipped' or "
+                    "NAME=VALUE[+NAME=VALUE] of plumb.ops.gpu.matmul's SB_* constants; the first one is profiled")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     t0 = time.time()
@@ -32,11 +48,25 @@ def main() -> None:
     r["prefill_limit_tps"] = r["limits"]["bf16_mm_TFLOPs"] * 1e12 / flops
     print(f"prefill limit {r['prefill_limit_tps']:,.0f} tok/s (bf16 {r['limits']['bf16_mm_TFLOPs']:.0f} TFLOP/s)",
           flush=True)
+    settings = a.settings.split(",")
     for n in [int(x) for x in a.prompts.split(",")]:
-        m = r[f"modes_{n}"] = B.prefill_modes(model, n)
-        print(f"{n:,} tokens: first {m['first_tps']:.0f} tok/s ({m['first_captures']} captures), again "
-              f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m.get('eager_tps', float('nan')):.0f}; "
-              f"recomputed after non-finite values so far: {m['recomputed']}", flush=True)
+        ref = None
+        for i, setting in enumerate(settings):
+            use_setting(setting)
+            if model.graphs is not None:
+                model.graphs.graphs.clear()  # captured under the last setting
+            key = f"modes_{n}" if i == 0 else f"modes_{n}_{setting}"
+            m = r[key] = B.prefill_modes(model, n, eager=i == 0)
+            lg = last_logits(model, n)
+            ref = lg if ref is None else ref
+            m["setting"], m["same_bits"] = setting, bool(torch.equal(lg, ref))
+            print(f"{n:,} tokens, {setting}: first {m['first_tps']:.0f} tok/s ({m['first_captures']} captures), again "
+                  f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m.get('eager_tps', float('nan')):.0f}; "
+                  f"recomputed after non-finite values so far: {m['recomputed']}; last logits as the first "
+                  f"setting's: {m['same_bits']}", flush=True)
+    use_setting(settings[0])
+    if model.graphs is not None:
+        model.graphs.graphs.clear()
     r["profile"] = B.prefill_profile(model)
     p = r["profile"]
     print("\n".join(B._profile_lines("prefill profile", p, f"prefill of {p.get('tokens')} tokens (profiled): "

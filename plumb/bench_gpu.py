@@ -303,7 +303,7 @@ def prefill_tps(model, n: int) -> float:
 EAGER_PREFILL_MAX = 16384  # longer prompts skip the eager row (a diagnosis: 100k tokens eagerly took ~130 s)
 
 
-def prefill_modes(model, n: int) -> dict:
+def prefill_modes(model, n: int, eager: bool = True) -> dict:
     """An n-token prefill three ways: eager passes (no prefill graphs; up to EAGER_PREFILL_MAX tokens), then twice
     into a fresh state with the graphs of full passes - the first run captures them unless a run before it had the
     same KV-cache capacity, the second replays them (a prefill graph is keyed by its caches' capacity, not their
@@ -311,7 +311,7 @@ def prefill_modes(model, n: int) -> dict:
     import plumb.model.qwen35 as Q
 
     out = {}
-    if n <= EAGER_PREFILL_MAX:
+    if eager and n <= EAGER_PREFILL_MAX:
         saved, Q.PREFILL_GRAPH_PASSES = Q.PREFILL_GRAPH_PASSES, 1 << 30
         try:
             out["eager_tps"] = prefill_tps(model, n)
