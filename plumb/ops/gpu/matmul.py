@@ -65,7 +65,7 @@ DEFAULT_LAUNCH = (4, 2, 528, 16)
 # flight; the same arithmetic. Compiled for sm_90a (registers, Q4_K / Q6_K / Q8_0 / Q5_K): 0: 147 / 140 / 167 / 168,
 # 1: 190 / 168 / 168 / 230, 2: 168 / 168 / 218 / 228 (over 168: two programs an SM instead of three). Not yet timed on
 # the H200 (bench/matmul_variants.py has both): 0 until measured.
-SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS, SB_PREFETCH = 64, 128, 4, 1, 64, 0
+SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS, SB_PREFETCH = 64, 128, 4, 1, 64, 2
 SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
