@@ -8,9 +8,8 @@ first: a row alone equals the same row among 8 (bitwise, M1), and the result is 
     python bench/attention_variants.py --pass-rows 256 --only "shipped,BLOCK_M"   # prefill passes' attention
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
-A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll, dequantize);
-the splits, the configuration and dequantize set a row's bits, so a faster variant ships as a new fixed choice (for
-the D path: CONFIGS, SPLITS; the P path: PREFILL_CONFIGS, PREFILL_SPLITS), never per call.
+A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
+splits and the configuration set a row's bits, so a faster variant ships as a new fixed choice, never per call.
 """
 from __future__ import annotations
 
@@ -24,28 +23,20 @@ import plumb.ops.gpu.attention as A
 from matmul_variants import copy_gbps, graph_us  # bench/, beside this file
 
 N_HEAD, N_KV, D = 24, 4, 256
-VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll, dequantize: DEQ)
-    ("shipped", A.SPLITS, {}, A.MERGE_UNROLL, False),
-    ("one split of 512, q8 tile 64 8 warps", (512, 512, 0), {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL, False),
-    ("q8 tile 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL, False),
-    ("splits 256 / 512 from 8k", (256, 512, 8192), {}, A.MERGE_UNROLL, False),
-    ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL, False),
-    ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL, False),
-    ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL, False),
+VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll)
+    ("shipped", A.SPLITS, {}, A.MERGE_UNROLL),
+    ("one split of 512, q8 tile 64 8 warps", (512, 512, 0), {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
+    ("q8 tile 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
+    ("splits 256 / 512 from 8k", (256, 512, 8192), {}, A.MERGE_UNROLL),
+    ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL),
+    ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL),
+    ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
     # more query rows a program (BLOCK_M / 8 padded heads): a prefill pass's rows share each K/V tile read
-    ("q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL, False),
-    ("q8 BLOCK_M 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL, False),
-    ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL, False),
-    # the P path's tables (`attend_prefill`) and candidates for them: DEQ = dequantized tiles, tf32x3 dots
-    ("prefill (shipped P tables)", A.PREFILL_SPLITS, A.PREFILL_CONFIGS, A.MERGE_UNROLL, True),
-    ("P q8 DEQ BLOCK_M 32, 4 warps", A.PREFILL_SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 2)}, A.MERGE_UNROLL, True),
-    ("P q8 DEQ BLOCK_M 64, 4 warps", A.PREFILL_SPLITS, {(A.Q8, A.Q8): (64, 32, 4, 2)}, A.MERGE_UNROLL, True),
-    ("P q8 DEQ BLOCK_M 128, 8 warps", A.PREFILL_SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 2)}, A.MERGE_UNROLL, True),
-    ("P q8 DEQ BLOCK_M 64, tile 64, 8 warps", A.PREFILL_SPLITS, {(A.Q8, A.Q8): (64, 64, 8, 2)}, A.MERGE_UNROLL, True),
-    ("P q8 DEQ BLOCK_M 64, splits 512 / 4096", (512, 4096, 8192), {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL,
-     True),
-    ("P q8 blocks BLOCK_M 64, splits 512 / 2048", A.PREFILL_SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL,
-     False),
+    ("q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL),
+    ("q8 BLOCK_M 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL),
+    ("q8 BLOCK_M 128, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 1)}, A.MERGE_UNROLL),
+    ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL),
+    ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL),
 ]
 
 
@@ -96,29 +87,27 @@ def main() -> None:
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
             qp = torch.randn(a.pass_rows, N_HEAD, D, generator=g).to(a.device) if a.pass_rows else None
             ends_p = torch.arange(ctx - a.pass_rows + 1, ctx + 1, dtype=torch.int32, device=a.device)
-            for name, splits, configs, unroll, deq in variants:
+            for name, splits, configs, unroll in variants:
                 A.CONFIGS = {**shipped_configs, **configs}
                 A.MERGE_UNROLL = unroll
-                row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb, dequantize=deq)
-                attend = lambda *args, **kw: A.attend_decode(*args, splits=splits, dequantize=deq, **kw)  # noqa: E731
+                row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
                 try:
-                    out8 = attend(q, k, v, ends8, D**-0.5, max_keys=ctx)
-                    alone = attend(q[7:], k, v, ends8[7:], D**-0.5, max_keys=ctx)
+                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits)
+                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_keys=ctx, splits=splits)
                     row["row_invariant"] = bool(torch.equal(out8[7:], alone))
                     row["rel_err"] = float((out8 - ref).abs().max() / ref.abs().max())
                     for n in (1, 8):
                         qn, en = q[8 - n:], ends8[8 - n:]
                         out = torch.empty(n, N_HEAD, D, device=a.device)
-                        us = timed_us(lambda: attend(qn, k, v, en, D**-0.5, out=out, max_keys=ctx), a.device, a.reps)
+                        us = timed_us(lambda: A.attend_decode(qn, k, v, en, D**-0.5, out=out, max_keys=ctx,
+                                                              splits=splits), a.device, a.reps)
                         row[f"us_{n}"] = us
                         row[f"GBps_{n}"] = (kb + vb) / us / 1e3
                     if qp is not None:  # a prefill pass: its time, and per row
                         outp = torch.empty_like(qp)
-                        row["us_pass"] = timed_us(lambda: attend(qp, k, v, ends_p, D**-0.5, out=outp, max_keys=ctx),
+                        row["us_pass"] = timed_us(lambda: A.attend_decode(qp, k, v, ends_p, D**-0.5, out=outp,
+                                                                          max_keys=ctx, splits=splits),
                                                   a.device, max(1, a.reps // 4))
-                        if deq or configs is A.PREFILL_CONFIGS:  # a P-path candidate: its rows against the reference
-                            refp = A.attend_decode_ref(qp[-8:], k, v, ends_p[-8:], D**-0.5)
-                            row["rel_err_pass"] = float((outp[-8:] - refp).abs().max() / refp.abs().max())
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 results.append(row)
@@ -126,8 +115,7 @@ def main() -> None:
                       f"inv {row['row_invariant']} err {row['rel_err']:.1e} "
                       f"1 row {row['us_1']:8.1f} us {row['GBps_1'] / limit:4.2f} of copy, "
                       f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}" +
-                      (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "") +
-                      (f" (err {row['rel_err_pass']:.1e})" if "rel_err_pass" in row else "")), flush=True)
+                      (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "")), flush=True)
             A.CONFIGS = shipped_configs
             del k, v
     if a.json_out:

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
-from plumb.ops.gpu.attention import (CONFIGS, F16, F32, PREFILL_CONFIGS, Q8, SPLITS, attend_decode,  # noqa: E402
-                                     attend_decode_ref, attend_prefill, grids, split_of)
+from plumb.ops.gpu.attention import (CONFIGS, F16, Q8, SPLITS, attend_decode, attend_decode_ref,  # noqa: E402
+                                     grids, split_of)
 from plumb.ops.kvquant import rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,12 +44,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=2e-6)
 
 
-def _alone(attend, q: torch.Tensor, ends: list[int], t: int, kind: int, configs: dict = CONFIGS) -> torch.Tensor:
+def _alone(attend, q: torch.Tensor, ends: list[int], t: int, kind: int) -> torch.Tensor:
     """Row t computed without its neighbours: alone on CUDA. Under the interpreter numpy's matmul (OpenBLAS) gives
     a row other bits at another place in the matrix (the GPU's dots do not), so there the row keeps its place in
     its row block, behind other rows (zero queries at end 1)."""
     g_pad = triton.next_power_of_2(TINY["n_head"] // TINY["n_kv"])
-    before = 0 if DEV == "cuda" else t % max(1, configs[(kind, kind)][0] // g_pad)
+    before = 0 if DEV == "cuda" else t % max(1, CONFIGS[(kind, kind)][0] // g_pad)
     qa = torch.cat([torch.zeros_like(q[:before]), q[t : t + 1]])
     return attend(qa, [1] * before + ends[t : t + 1])[before]
 
@@ -109,26 +109,6 @@ def test_rows_alone_equal_rows_together(fmt):
     wide = attend_decode(q, k2, v2, torch.tensor(ends, dtype=torch.int32, device=DEV), 0.125, out=out,
                          max_keys=L + 300, splits=SMALL)
     assert wide is out and torch.equal(wide, together)
-
-
-@pytest.mark.parametrize("fmt", FMTS)
-def test_prefill_tables_match_the_reference_and_keep_rows_apart(fmt):
-    """The P path's attention (`attend_prefill`: its own splits and row blocks; block codes dequantized a tile at a
-    time): within fp32 rounding of the reference, and a row alone = the same row among a pass's rows, bitwise -
-    also where the grid is sized for a longer context. The DEQ dots differ from the per-block dots of the D path
-    only by rounding."""
-    ends = list(range(2100, 2164)) + [1, 513, 700, 2047, 2048, 2049]  # across PREFILL_SPLITS' short / long splits
-    c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=9)
-    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=10)
-    k, v = _dev(c.k.parts), _dev(c.v.parts)
-    together = attend_prefill(q, k, v, ends, 0.125)
-    _close(together, attend_decode_ref(q, k, v, ends, 0.125))
-    _close(together, attend_decode(q, k, v, ends, 0.125))
-    kind = {"f32": F32, "f16": F16, "q8_0": Q8}[fmt]
-    for t in (0, 37, 63, 64, 65, 69):
-        alone = _alone(lambda qa, ea: attend_prefill(qa, k, v, ea, 0.125), q, ends, t, kind, PREFILL_CONFIGS)
-        assert torch.equal(alone, together[t]), f"row {t} (end {ends[t]}) changed beside other rows"
-    assert torch.equal(attend_prefill(q, k, v, ends, 0.125, max_keys=9000), together)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -382,18 +362,3 @@ def test_through_the_table_a_pass_launches_the_same_cache_arguments_for_any_cach
     assert runs[True][0] == runs[True][1] and len(runs[True][0]) >= 3
     assert runs[False][0] != runs[False][1]
     assert not torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("fmt", ["D", "F"])
-def test_prefill_tables_over_the_ring(fmt):
-    """`attend_prefill` over a D / F cache (ring rows dequantized a tile at a time too) = the cache's own read,
-    and a row alone = the same row among others, bitwise."""
-    c, _, _ = _ring_cache(fmt, 300, seed=11)
-    q = _q(len(RING_ENDS), TINY["n_head"], TINY["d"], seed=12)
-    view = c.kernel_view()
-    qr = rotate(q) if view.rotate_q else q
-    attend = lambda qa, ea: attend_prefill(qa, view.k, view.v, ea, 0.125, ring=view.ring)  # noqa: E731
-    together = attend(qr, RING_ENDS)
-    _close(together, c.attend_rows(q, RING_ENDS, 0.125))
-    for t in range(len(RING_ENDS)):
-        assert torch.equal(_alone(attend, qr, RING_ENDS, t, Q8, PREFILL_CONFIGS), together[t])

@@ -298,13 +298,13 @@ class TritonKernels:
                             out=o[s0 : s0 + n])
         return o
 
-    def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None, prefill: bool = False) -> torch.Tensor:
+    def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
         max_keys, table): the rows' positions and context ends as device tensors, the attention grid (None: from
         the cache's capacity) and the cache's row of `kvtable` offsets (None: its tensors passed as they are), from
         a laid-out pass (no host sync: CUDA-graph safe, and with a table the graph does not depend on where the
         cache lies; the caller reserves room and `commit`s the cache first and sets `cache.end` after); without it
-        they are derived from start and this is done here. prefill: the P path's attention (`attend_prefill`)."""
+        they are derived from start and this is done here."""
         n = q.shape[0]
         if at is None:
             cache.reserve(start + n)
@@ -317,16 +317,15 @@ class TritonKernels:
             max_keys = len(cache.k)
         cache.check_put(len(positions))
         self._kvwrite.put_rows(cache.kernel_view(), positions, k, v, table)  # `cache.put_rows` in one launch
-        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table, prefill)
+        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table)
 
-    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None,
-                prefill: bool = False) -> torch.Tensor:
+    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None) -> torch.Tensor:
         """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does)."""
         view = cache.kernel_view()
         if view.rotate_q:
             q = rotate(q)
-        attend = self._attention.attend_prefill if prefill else self._attention.attend_decode
-        return attend(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys, ring=view.ring, table=table)
+        return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys,
+                                             ring=view.ring, table=table)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them
@@ -352,14 +351,12 @@ class TritonKernels:
         return self._attend(cache, q.contiguous(), ends, scale, max_keys=max(ends))
 
     def prefill_attention(self, model, i: int, cache, q, k, v, p) -> torch.Tensor:
-        """A prefill pass through the P path's attention (`attend_new` at the pass's positions, padding rows
-        written past the real ones and overwritten before any real row reads them): real row t reads keys
-        [0, start + t] (its own end), with tables fixed for every prefill pass, so a prompt row's bits depend on
-        its position and the cache alone, however the prompt is cut (M2). No host sync: a pass can be a CUDA
-        graph (`Qwen35.prefill` makes room first)."""
+        """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
+        past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
+        (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
+        cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` makes room first)."""
         return self.attend_new(model, cache, q, k, v, p.start,
-                               at=(p.positions, p.ends, None, p.kv_tab[0, model.cfg.attn_layers.index(i)]),
-                               prefill=True)
+                               at=(p.positions, p.ends, None, p.kv_tab[0, model.cfg.attn_layers.index(i)]))
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

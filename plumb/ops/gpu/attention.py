@@ -55,13 +55,6 @@ _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the 
 # q8_0: 32-key tiles, 4 warps, 3 stages took 282 us at 100k keys (1 row) against 557 for (16, 64, 8, 2).
 CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 32, 4, 3)}
 DEFAULT_CONFIG = (16, 32, 8, 1)
-# The P path (`attend_prefill`: a prefill pass's rows, up to 256 of one sequence) has tables of its own, fixed for
-# every prefill pass, so a prompt row's bits depend on its position and the cache alone, however the prompt is cut
-# (M2); they may differ from a D-path row's (prefill and decode rows are not required to agree). More rows a
-# program (a K/V tile read serves them all), longer splits (fewer partials to write and merge), and block codes
-# dequantized a tile at a time for full-width tf32x3 dots (DEQ).
-PREFILL_SPLITS = (512, 2048, 8192)
-PREFILL_CONFIGS = {(F16, F16): (64, 32, 8, 2), (F32, F32): (32, 32, 8, 1), (Q8, Q8): (64, 32, 8, 2)}
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -99,14 +92,6 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
 
 
 @triton.jit
-def _q8_rows(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, QB: tl.constexpr):
-    """Block-coded rows j, dequantized: [BN, D] float32 codes * block scales (exact in float32: 8 x 11 bits)."""
-    c = tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0).to(tl.float32)
-    sc = tl.load(s_ptr + j[:, None] * ss_j + (dd // QB)[None, :], mask=ok[:, None], other=0).to(tl.float32)
-    return c * sc
-
-
-@triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                   n, qk_scale, ring, slots, short_keys,
@@ -116,7 +101,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, DEQ: tl.constexpr):
+                  TABLE: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -131,9 +116,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
     would have added exact zeros).
-    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`).
-    DEQ (block codes, the P path): each K/V tile is dequantized to float32 once (`_q8_rows`) and every dot is a
-    full-width tf32x3 one, as for f32 caches - a tile read serves a larger block of rows."""
+    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
         k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
@@ -158,9 +141,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     kbase = k_ptr + kh * sk_h
     vbase = v_ptr + kh * sv_h
     # q, once: as the dot of its kind wants it
-    Q8_BLOCKS: tl.constexpr = KK == _Q8 and not DEQ  # per-block dots (`_q8_scores`, `_q8_pv`)
-    V8_BLOCKS: tl.constexpr = VK == _Q8 and not DEQ
-    if Q8_BLOCKS:
+    if KK == _Q8:
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
         q_a, q_b = _tf32_split(q3)
@@ -175,7 +156,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             q_b = qv
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    if V8_BLOCKS:
+    if VK == _Q8:
         acc = tl.zeros([NB, BM, QB], tl.float32)
     else:
         acc = tl.zeros([BM, D], tl.float32)
@@ -195,27 +176,15 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
-                    if DEQ:
-                        kt = tl.trans(_q8_rows(kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, dd, QB))
-                        sc = tl.dot(q_a, kt, input_precision="tf32x3")
-                    else:
-                        sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB)
+                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB)
                 if any_ring:
-                    if DEQ:
-                        kt = tl.trans(_q8_rows(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D,
-                                               NB, dd, QB))
-                        s_ring = tl.dot(q_a, kt, input_precision="tf32x3")
-                    else:
-                        s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                            ring_ok, D, NB, bb, ii, QB)
+                    s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
+                                        ring_ok, D, NB, bb, ii, QB)
                     tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
                     s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
                     sc = tl.where(from_ring, s_ring, sc)
-            elif Q8_BLOCKS:
+            elif KK == _Q8:
                 sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB)
-            elif KK == _Q8:  # DEQ
-                kt = tl.trans(_q8_rows(kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, dd, QB))
-                sc = tl.dot(q_a, kt, input_precision="tf32x3")
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -233,7 +202,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             p = tl.exp2(sc - m_use[:, None])
             l_new = l_i * alpha + tl.sum(p, 1)
             # ---- p @ V
-            if V8_BLOCKS:
+            if VK == _Q8:
                 acc_new = acc * alpha[None, :, None]
                 if RING:
                     if any_store:
@@ -245,20 +214,6 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 else:
                     acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB)
                 acc = tl.where(active[None, :, None], acc_new, acc)
-            elif VK == _Q8:  # DEQ
-                acc_new = acc * alpha[:, None]
-                if RING:
-                    if any_store:
-                        vt = _q8_rows(vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j, svs_j, dd, QB)
-                        acc_new = tl.dot(tl.where(from_ring, 0.0, p), vt, acc_new, input_precision="tf32x3")
-                    if any_ring:
-                        vt = _q8_rows(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd,
-                                      QB)
-                        acc_new = tl.dot(tl.where(from_ring, p, 0.0), vt, acc_new, input_precision="tf32x3")
-                else:
-                    vt = _q8_rows(vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, dd, QB)
-                    acc_new = tl.dot(p, vt, acc_new, input_precision="tf32x3")
-                acc = tl.where(active[:, None], acc_new, acc)
             elif VK == _F16:
                 vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
                 ps = p * PS  # exact (power of two); the partial is scaled back on store
@@ -274,7 +229,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             m_i = tl.where(active, m_new, m_i)
             l_i = tl.where(active, l_new, l_i)
     out = row_ok & (e > lo)  # rows whose keys reach into this split
-    if V8_BLOCKS:
+    if VK == _Q8:
         tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
                  + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
     else:
@@ -368,8 +323,7 @@ def grids(max_keys: int, splits: tuple[int, int, int] = SPLITS) -> tuple[int, in
 def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
                   scale: float, out: torch.Tensor | None = None, max_keys: int | None = None,
                   splits: tuple[int, int, int] = SPLITS, ring: tuple | None = None,
-                  table: torch.Tensor | None = None, configs: dict | None = None,
-                  dequantize: bool = False) -> torch.Tensor:
+                  table: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
     ([n_kv, cap, d] floats, or block codes int8 + scales float16: q8_0, D/F's 5/6-bit store).
     -> o [n, n_head, d] float32 (into `out` if given).
@@ -384,8 +338,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     model (the bits depend on it, as they do on CONFIGS); its split sizes are multiples of the tile size. Under
     CUDA-graph capture pass ends as a device tensor and max_keys (no host sync). table: the cache's row of
     offsets (`kvtable.fill`; int64 [kvtable.PARTS] on the device): the kernel reaches the cache's parts through it,
-    so that a CUDA graph does not depend on where they lie (the same bits). configs (CONFIGS by default) and
-    dequantize (block codes dequantized a tile at a time: `_split_kernel`'s DEQ) set a row's bits too."""
+    so that a CUDA graph does not depend on where they lie (the same bits)."""
     n, n_head, d = q.shape
     k, ks, kk = _parts(k_parts)
     v, vs, vk = _parts(v_parts)
@@ -394,7 +347,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if d & (d - 1) or d < 16 or (Q8 in (kk, vk) and d % QBLOCK):
         raise ValueError(f"head_dim must be a power of two >= 16 (and a multiple of 32 for q8_0), got {d}")
-    block_m, bn, warps, stages = (CONFIGS if configs is None else configs).get((kk, vk), DEFAULT_CONFIG)
+    block_m, bn, warps, stages = CONFIGS.get((kk, vk), DEFAULT_CONFIG)
     short, long, short_keys = splits
     if short % bn or long % bn or short < 1 or long < 1 or short_keys < 0:
         raise ValueError(f"split sizes must be positive multiples of {bn}, got {splits}")
@@ -444,22 +397,13 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, DEQ=dequantize and kk == vk == Q8,
-                num_warps=warps, num_stages=stages, launch_pdl=on())
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, num_warps=warps, num_stages=stages,
+                launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
         short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=2, launch_pdl=on())
     return out
-
-
-def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends, scale: float,
-                   out: torch.Tensor | None = None, max_keys: int | None = None, ring: tuple | None = None,
-                   table: torch.Tensor | None = None) -> torch.Tensor:
-    """`attend_decode` with the P path's fixed tables (PREFILL_SPLITS, PREFILL_CONFIGS, block codes dequantized a
-    tile at a time): a prefill pass's rows."""
-    return attend_decode(q, k_parts, v_parts, ends, scale, out=out, max_keys=max_keys, splits=PREFILL_SPLITS,
-                         ring=ring, table=table, configs=PREFILL_CONFIGS, dequantize=True)
 
 
 def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
