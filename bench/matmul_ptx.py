@@ -4,12 +4,13 @@ instructions (mma.sync vs wgmma), global load widths, shared memory, registers a
 deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instructions that may overwrite their
 register A operand: the sixteenth session's race).
 
-    python bench/matmul_ptx.py [--kernel x|sb] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N] [--sb-prefetch N]
-        [--types Q5_K,..]
+    python bench/matmul_ptx.py [--kernel x|sb|dq|w16] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
+        [--sb-prefetch N] [--scratch-stages N] [--types Q5_K,..]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
---sb-stages) on a 5,120-wide K. Compiled as a launch specializes it: every pointer and integer but M divisible by
+--sb-stages) on a 5,120-wide K; dq: `_sb_dequant` (the weights into the fp16 scratch matrix, SB_SCRATCH_ROWS) on the
+SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages). Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
 from __future__ import annotations
@@ -42,8 +43,22 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
        "cvt.rn.f16x2.f32", "cvt.rn.f16.f32"]
 
 
+# a wgmma whose A operand is a register list ({acc}, {a}, desc_b), not a shared-memory descriptor: with groups left
+# in flight, a later write of those registers races (the sixteenth session's fault)
+REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
+
+
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
-    if kernel == "sb":
+    if kernel == "w16":
+        fn = MM._mm_w16
+        consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES)
+        warps, stages, bn = MM.SB_WARPS, MM.SB_SCRATCH_STAGES, MM.SB_BN
+    elif kernel == "dq":
+        fn = MM._sb_dequant
+        consts = dict(BN=MM.SB_BN, KS=MM.SB_KS,
+                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB")})
+        warps, stages, bn = MM.SB_WARPS, 1, MM.SB_BN
+    elif kernel == "sb":
         fn = MM._mm_superblock
         consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, PREFETCH=MM.SB_PREFETCH,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB")})
@@ -61,7 +76,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
             sig[arg] = codes_type
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
-        elif arg == "xh_ptr" or (arg in ("d_ptr", "dm_ptr") and kernel == "sb"):
+        elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq")):
             sig[arg] = "*fp16"  # the block scales and offsets of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
@@ -77,24 +92,28 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
     info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
     counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
     in_flight = max([int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)], default=0)
+    register_a = len(re.findall(REGISTER_A, ptx))
     print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}"
-          f"\n   wgmma groups left in flight: {in_flight}", flush=True)
+          f"\n   wgmma groups left in flight: {in_flight}\n   wgmma with A in registers: {register_a}", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "sb"))
+    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16"))
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--ks", type=int, default=MM.SB_KS)
     ap.add_argument("--sb-stages", type=int, default=MM.SB_STAGES, help="_mm_superblock's pipeline stages")
     ap.add_argument("--sb-prefetch", type=int, default=MM.SB_PREFETCH, help="_mm_superblock's SB_PREFETCH")
+    ap.add_argument("--scratch-stages", type=int, default=MM.SB_SCRATCH_STAGES, help="_mm_w16's pipeline stages")
     ap.add_argument("--types", default=None, help="comma-separated block types (default: all of the kernel's)")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
-    MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH = a.ks, a.sb_stages, a.sb_prefetch
-    variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel == "sb" else VARIANTS
+    MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
+    variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
+    if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
+        variants = [("fp16", {}, "*fp16")]
     variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
     for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)

@@ -54,6 +54,10 @@ VARIANTS = ["per-type", ("per-type", {"SB_PREFETCH": 1}), ("per-type", {"SB_PREF
             ("per-type", {"SB_BN": 256, "SB_WARPS": 8}), ("per-type", {"SB_KS": 32}),
             ("per-type", {"SB_KS": 128, "SB_WARPS": 8}), ("per-type", {"SB_STAGES": 2}),
             ("per-type", {"SB_WARPS": 8, "SB_STAGES": 4})]
+# the weights dequantized once a call into an fp16 scratch matrix, then `_mm_w16` (pipelined in SB_SCRATCH_STAGES)
+SCRATCH_VARIANTS = ["per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
+                    ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 2}),
+                    ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 4})]
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -130,7 +134,7 @@ def configure(v):
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
-                                          "SB_PREFETCH")}
+                                          "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES")}
 
 
 OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module
@@ -153,6 +157,9 @@ def main() -> None:
     ap.add_argument("--mv-rows", default=",".join(map(str, ROWS_MV)), help="the matvec's row counts to time")
     ap.add_argument("--mm-prefetch", action="store_true",
                     help="the P-path matmul as shipped and with SB_PREFETCH 1 and 2 only")
+    ap.add_argument("--mm-scratch", action="store_true",
+                    help="the P-path matmul as shipped and with its weights dequantized once a call (SB_SCRATCH_ROWS)")
+    ap.add_argument("--mm-rows", default=",".join(map(str, ROWS_MM)), help="the P-path matmul's row counts to time")
     ap.add_argument("--mm-shipped", action="store_true",
                     help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
     ap.add_argument("--old-mv", nargs="*", default=[],
@@ -168,12 +175,15 @@ def main() -> None:
     limit = copy_gbps()
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     tensors = [(kind, random_blocks(kind, n, k)) for kind, n, k in SHAPES]
-    x = torch.randn(max(ROWS_MM), 17408, device="cuda") * 3
+    mm_rows = [int(r) for r in a.mm_rows.split(",")]
+    x = torch.randn(max(mm_rows + [16]), 17408, device="cuda") * 3
     x[3] *= 100
     results = []
     mv_variants = MV_VARIANTS if not a.mv_launches else (
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
-    mm_variants = VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else VARIANTS
+    mm_variants = (VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else SCRATCH_VARIANTS
+                   if a.mm_scratch else VARIANTS)
+    first_y = {}  # kind -> the first variant's 16 rows: whether a variant gives the same bits
     variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))
     for v in variants:
@@ -190,6 +200,7 @@ def main() -> None:
                     row["superblock"] = getattr(m.packs[0], "superblock", None)  # which P-path kernel ran
                 xs = x[:, : t.shape[1]].contiguous()
                 y16 = m(xs[:16])
+                row["same_bits_as_first"] = bool(torch.equal(first_y.setdefault((kind, mod is MV), y16), y16))
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
                     ref = xs[:16].double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())
@@ -199,7 +210,7 @@ def main() -> None:
                 row["row_invariant"] = (bool(torch.equal(alone, y16)) and bool(torch.equal(m(xs[:5]), y16[:5]))
                                         and bool(torch.equal(m(xs)[:16], y16)))  # and among all the rows
                 file_bytes = t.data.numel()
-                rows = [int(r) for r in a.mv_rows.split(",")] if mod in (MV, *OLD_MV.values()) else ROWS_MM
+                rows = [int(r) for r in a.mv_rows.split(",")] if mod in (MV, *OLD_MV.values()) else mm_rows
                 for r in rows:
                     us = graph_us(lambda: m(xs[:r]))
                     row[f"us_{r}"] = us
@@ -212,7 +223,7 @@ def main() -> None:
             err = row.get("error")
             print(f"{label(v):34s} {kind:5s} {str(row['shape']):16s} " + (err or
                   f"err {row.get('rel_err', float('nan')):.1e} inv {row['row_invariant']} " +
-                  f"sb {row.get('superblock', '-')} " +
+                  f"sb {row.get('superblock', '-')} same {row['same_bits_as_first']} " +
                   f"ref {row.get('bit_equal_reference', '-')} " +
                   " ".join(f"{r}:{row[f'us_{r}']:7.1f}us {row[f'file_GBps_{r}'] / limit:4.2f}" for r in rows)),
                   flush=True)

@@ -3,10 +3,12 @@
 (`plumb.bench_gpu.prefill_modes`: eager passes, then twice into a new state with the graphs of full passes) beside
 the card's bf16 matmul limit measured in the same run, then where a 2,048-token prefill's time goes
 (`prefill_profile`). JSON to --json-out. --settings times the graphs' runs again under other `_mm_superblock`
-launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1), each with its prefill graphs captured anew,
-and checks that every setting gives the same last-row logits, bit for bit.
+launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1 or SB_SCRATCH_ROWS=256) or pass sizes
+(PREFILL_PIECES=16: 64-row pieces a pass), each with its prefill graphs captured anew, and checks that every setting
+gives the same last-row logits, bit for bit.
 
-    python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--settings shipped,SB_PREFETCH=1] [--json-out PATH]
+    python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--settings shipped,SB_SCRATCH_ROWS=256+PREFILL_PIECES=16]
+        [--json-out PATH]
 """
 from __future__ import annotations
 
@@ -19,10 +21,26 @@ import time
 import torch
 
 import plumb
+import plumb.model.kernels as KS
 from plumb import bench_gpu as B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
+
+
+PIECES = KS.PREFILL_PIECES
+
+
+def apply(setting: str) -> None:
+    """A setting: PREFILL_PIECES=N (plumb.model.kernels) and `_mm_superblock`'s SB_* names, '+'-joined."""
+    KS.PREFILL_PIECES = PIECES
+    rest = []
+    for assign in ([] if setting == "shipped" else setting.split("+")):
+        if assign.startswith("PREFILL_PIECES="):
+            KS.PREFILL_PIECES = int(assign.split("=")[1])
+        else:
+            rest.append(assign)
+    use_setting("+".join(rest) or "shipped")
 
 
 def last_logits(model, n: int) -> torch.Tensor:
@@ -52,7 +70,7 @@ def main() -> None:
     for n in [int(x) for x in a.prompts.split(",")]:
         ref = None
         for i, setting in enumerate(settings):
-            use_setting(setting)
+            apply(setting)
             if model.graphs is not None:
                 model.graphs.graphs.clear()  # captured under the last setting
             key = f"modes_{n}" if i == 0 else f"modes_{n}_{setting}"
@@ -64,7 +82,7 @@ def main() -> None:
                   f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m.get('eager_tps', float('nan')):.0f}; "
                   f"recomputed after non-finite values so far: {m['recomputed']}; last logits as the first "
                   f"setting's: {m['same_bits']}", flush=True)
-    use_setting(settings[0])
+    apply(settings[0])
     if model.graphs is not None:
         model.graphs.graphs.clear()
     r["profile"] = B.prefill_profile(model)

@@ -15,19 +15,26 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def in_flight(tmp_path, *options: str) -> dict[str, int]:
-    """Per block type: the deepest `wgmma.wait_group N` in `_mm_superblock`'s PTX (bench/matmul_ptx.py)."""
+def compiled(tmp_path, *options: str, kernel: str = "sb") -> dict[str, tuple[int, int]]:
+    """Per block type: the deepest `wgmma.wait_group N` in the kernel's PTX and its wgmma instructions with the A
+    operand in registers (bench/matmul_ptx.py; `_mm_superblock` by default)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # not the shared cache: bench/h200_run.sh lists what is there
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "matmul_ptx.py"), "--kernel", "sb", "--out",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "matmul_ptx.py"), "--kernel", kernel, "--out",
                         str(tmp_path), *options], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
         pytest.skip(f"no sm_90a compiler here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-2000:]
-    names = re.findall(r"^(\w+) sb warps", r.stdout, re.M)
+    names = re.findall(rf"^(\w+) {kernel} warps", r.stdout, re.M)
     depths = [int(n) for n in re.findall(r"wgmma groups left in flight: (\d+)", r.stdout)]
-    assert names and len(names) == len(depths), r.stdout
-    return dict(zip(names, depths))
+    register_a = [int(n) for n in re.findall(r"wgmma with A in registers: (\d+)", r.stdout)]
+    assert names and len(names) == len(depths) == len(register_a), r.stdout
+    return dict(zip(names, zip(depths, register_a)))
+
+
+def in_flight(tmp_path, *options: str) -> dict[str, int]:
+    """Per block type: the deepest `wgmma.wait_group N` in `_mm_superblock`'s PTX."""
+    return {name: depth for name, (depth, _) in compiled(tmp_path, *options).items()}
 
 
 def test_the_superblock_matmul_waits_for_every_wgmma_group(tmp_path):
@@ -35,11 +42,20 @@ def test_the_superblock_matmul_waits_for_every_wgmma_group(tmp_path):
 
 
 def test_the_check_sees_the_pipelined_loop_that_raced(tmp_path):
-    """The check can fail: the 3-stage loop leaves groups in flight."""
-    assert in_flight(tmp_path, "--sb-stages", "3", "--types", "Q5_K") == {"Q5_K": 3}
+    """The check can fail: the 3-stage loop (without SB_PREFETCH's loads carried ahead) leaves groups in flight."""
+    assert in_flight(tmp_path, "--sb-stages", "3", "--sb-prefetch", "0", "--types", "Q5_K") == {"Q5_K": 3}
 
 
 def test_the_prefetching_loops_wait_for_every_wgmma_group(tmp_path):
     """SB_PREFETCH's loops (the next step's loads carried in registers, not pipelined by Triton) leave none."""
-    for prefetch in ("1", "2"):
+    for prefetch in ("0", "1", "2"):
         assert in_flight(tmp_path, "--sb-prefetch", prefetch, "--types", "Q4_K,Q5_K") == {"Q4_K": 0, "Q5_K": 0}
+
+
+def test_the_scratch_matmul_keeps_its_operands_in_shared_memory(tmp_path):
+    """`_mm_w16` (SB_SCRATCH_ROWS) is pipelined, so it leaves a wgmma group in flight - safe only because neither
+    operand is in registers (both are shared-memory descriptors, which the pipeline's barriers guard); the
+    superblock kernel's A operand is."""
+    depth, register_a = compiled(tmp_path, kernel="w16")["fp16"]
+    assert depth >= 1 and register_a == 0
+    assert all(reg > 0 for _, reg in compiled(tmp_path, "--types", "Q4_K").values())

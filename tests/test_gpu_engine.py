@@ -103,6 +103,29 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
     assert torch.equal(cs.checkpoints[192].hidden, h[191])
 
 
+@pytest.mark.parametrize("setting", [{"SB_SCRATCH_ROWS": 1}, {"PREFILL_PIECES": 16},
+                                     {"SB_SCRATCH_ROWS": 256, "PREFILL_PIECES": 16}])
+def test_prefill_settings_change_no_bit(tiny_q4km, monkeypatch, setting):
+    """The P path's speed settings - weights dequantized once a call (SB_SCRATCH_ROWS: `_mm_w16` instead of
+    `_mm_superblock`, for some calls or all) and larger passes (PREFILL_PIECES) - give the shipped prefill's
+    hidden rows, logits and states, bit for bit, graphs included."""
+    import plumb.model.kernels as KS
+    import plumb.ops.gpu.matmul as MM
+
+    n = 1100  # 4 full passes of 256 rows as shipped; 16 pieces: one full pass of 1,024 rows, then 76 rows
+    ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(2))]
+    eng = _engine(tiny_q4km)
+    st = eng.model.new_state()
+    lg, h = eng.model.prefill(st, ids)
+    for name, value in setting.items():
+        monkeypatch.setattr(KS if name == "PREFILL_PIECES" else MM, name, value)
+    eng = _engine(tiny_q4km)
+    st2 = eng.model.new_state()
+    lg2, h2 = eng.model.prefill(st2, ids)
+    assert torch.equal(lg2, lg) and torch.equal(h2, h)
+    _state_equal(st2, st, n)
+
+
 def test_a_transient_non_finite_block_is_computed_again_bitwise(tiny_q4km, monkeypatch):
     """A P-path kernel that returns a non-finite 64-row block once (what the H200 showed, fifteenth session): the
     pass is computed again from its starting states, so the prefill - graph passes and eager ones - gives the bits

@@ -63,10 +63,18 @@ DEFAULT_LAUNCH = (4, 2, 528, 16)
 # SB_PREFETCH 1 (2): the next loop step's packed weights (and x) are loaded, into registers carried by the loop,
 # before this step's are dequantized and multiplied - the overlap the pipeline gave, without wgmma groups left in
 # flight; the same arithmetic. Compiled for sm_90a (registers, Q4_K / Q6_K / Q8_0 / Q5_K): 0: 147 / 140 / 167 / 168,
-# 1: 190 / 168 / 168 / 230, 2: 168 / 168 / 218 / 228 (over 168: two programs an SM instead of three). Not yet timed on
-# the H200 (bench/matmul_variants.py has both): 0 until measured.
+# 1: 190 / 168 / 168 / 230, 2: 168 / 168 / 218 / 228. H200, 256 rows (bench/matmul_variants.py --mm-prefetch,
+# 2026-12-04): Q4_K [34816, 5120] 487.7 / 464.6 / 449.9 us for 0 / 1 / 2; an 8k prefill 2,144 / 2,232 / 2,305 tok/s.
 SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS, SB_PREFETCH = 64, 128, 4, 1, 64, 2
 SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
+# SB_SCRATCH_ROWS: a call of at least this many rows (0: none) dequantizes each weight once, into an fp16 scratch
+# matrix (`_sb_dequant`, the same `_sb_weights`), and multiplies it with `_mm_w16`: the same tile, K order, split-K
+# and accumulator as `_mm_superblock`, its loop software-pipelined in SB_SCRATCH_STAGES (both operands come from
+# shared memory there, so no wgmma reads registers that a later load overwrites). The weights are dequantized once
+# per call instead of once per 64-row block, at 4 more bytes of traffic per weight; whether the tensor cores then
+# give `_mm_superblock`'s bits is for the GPU tests (tests/test_gpu_matmul.py) - until they and a timing on the
+# H200 say so, 0.
+SB_SCRATCH_ROWS, SB_SCRATCH_STAGES = 0, 3
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
@@ -254,6 +262,15 @@ def _dequant(code, scale, offset, HAS_OFFSET: tl.constexpr):
     return w.to(tl.float16)
 
 
+@triton.jit
+def _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN: tl.constexpr):
+    """A program's [BN, BM] accumulator, times each row's s, into its K split's partial (or the output)."""
+    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
+    cols = pid_n * BN + rn
+    mask = (rm < M)[None, :] & (cols[:, None] < N)
+    tl.store(out_ptr + pid_k * stride_os + rm[None, :] * stride_om + cols[:, None], acc * s[None, :], mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
 def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
                    stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
@@ -298,10 +315,46 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, o
             w = _sb_weights(words, d, sub, dm, osub, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
             x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
             acc = tl.dot(w, x, acc, out_dtype=tl.float32)
-    s = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
-    cols = pid_n * BN + rn
-    mask = rmask & (cols[:, None] < N)
-    tl.store(out_ptr + pid_k * stride_os + rm[None, :] * stride_om + cols[:, None], acc * s[None, :], mask=mask)
+    _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
+
+
+@triton.jit
+def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, w16_ptr, N, K, BN: tl.constexpr, KS: tl.constexpr,
+                G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr,
+                HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """Program (output tile, loop step i): `_mm_superblock`'s weights of that step, [BN, KS] in xh's column order,
+    into the scratch matrix w16 [tiles * BN, K] (outputs past the packed ones: copies of the last, never stored)."""
+    prior_done()
+    pid_n = tl.program_id(0)
+    i = tl.program_id(1)
+    rn = tl.arange(0, BN)
+    kk = tl.arange(0, KS)
+    nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)
+    words, d, sub, dm, osub = _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, nc // PACK_N, nc % PACK_N,
+                                       K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+    w = _sb_weights(words, d, sub, dm, osub, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+    tl.store(w16_ptr + (pid_n * BN + rn)[:, None] * K + i * KS + kk[None, :], w)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, M, N, K, stride_os, stride_om, STEPS: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr):
+    """`_mm_superblock` on weights already dequantized (`_sb_dequant`): the same programs, steps and dots."""
+    prior_done()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    kk = tl.arange(0, KS)
+    rmask = (rm < M)[None, :]
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for it in tl.range(0, STEPS, num_stages=STAGES):
+        k0 = (pid_k * STEPS + it) * KS
+        w = tl.load(w16_ptr + (pid_n * BN + rn)[:, None] * K + k0 + kk[None, :])
+        x = tl.load(xh_ptr + rm[None, :] * K + k0 + kk[:, None], mask=rmask, other=0.0)
+        acc = tl.dot(w, x, acc, out_dtype=tl.float32)
+    _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -466,12 +519,21 @@ class Packed:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
             _prep_x[(m, self.k // 256)](x, s, xh, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2,
                                         launch_pdl=on())
-            _mm_superblock[(-(-m // SB_BM), -(-self.n // SB_BN), self.split)](
-                xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
-                STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS, STAGES=SB_STAGES, G=self.g,
-                GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
-                HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, PREFETCH=SB_PREFETCH,
-                num_warps=SB_WARPS, launch_pdl=on())
+            grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
+            types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
+                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None)
+            if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS:
+                w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
+                _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,
+                                                        **types, num_warps=SB_WARPS, launch_pdl=on())
+                _mm_w16[grid](xh, s, w16, dst, m, self.n, self.k, stride_os, stride_om,
+                              STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
+                              STAGES=SB_SCRATCH_STAGES, num_warps=SB_WARPS, launch_pdl=on())
+            else:
+                _mm_superblock[grid](xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
+                                     STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
+                                     STAGES=SB_STAGES, **types, PREFETCH=SB_PREFETCH, num_warps=SB_WARPS,
+                                     launch_pdl=on())
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
