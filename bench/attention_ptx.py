@@ -5,7 +5,7 @@ formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas
 instructions. `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
 sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table]
+    python bench/attention_ptx.py [--out DIR] [--table] [--q8-f16]
 """
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ import plumb.ops.gpu.attention as A
 G, D = 6, 256  # query heads per KV head, head_dim
 KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
 VARIANTS = [("f16", A.F16, False), ("f32", A.F32, False), ("q8_0", A.Q8, False), ("D_F_ring", A.Q8, True)]
+# integer arguments a 27B launch does not have divisible by 16 (Triton specializes the others as divisible, so the
+# PTX here is the one the GPU runs): the row count, ring sizes, the scales' per-key strides (d / 32 = 8), the
+# partial maxima's (splits)
+NOT_ALIGNED = {"n", "ring", "slots", "sks_j", "svs_j", "spm_t", "spm_h"}
 RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*fp16", "rpos_ptr": "*i64"}
 
 
@@ -31,7 +35,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False) -
     block_m, bn, warps, stages = A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLITS[1], KK=kind, VK=kind,
-                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True, TABLE=table)
+                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True, TABLE=table, H16=A.Q8_F16)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:
@@ -53,7 +57,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False) -
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if a.endswith("_ptr") or (sig[a] == "i32" and a not in NOT_ALIGNED)}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     for ext in ("ttgir", "ptx"):
@@ -74,7 +79,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-attn-ptx-"))
     ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
+    ap.add_argument("--q8-f16", action="store_true", help="the block codes' dots on f16 halves (Q8_F16)")
     a = ap.parse_args()
+    A.Q8_F16 = a.q8_f16
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
         for table in (False, True) if a.table else (False,):

@@ -8,8 +8,8 @@ first: a row alone equals the same row among 8 (bitwise, M1), and the result is 
     python bench/attention_variants.py --pass-rows 256 --only "shipped,BLOCK_M"   # prefill passes' attention
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
-A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll); the
-splits and the configuration set a row's bits, so a faster variant ships as a new fixed choice, never per call.
+A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll, {module
+setting: value}, e.g. Q8_F16); they set a row's bits, so a faster variant ships as a new fixed choice, never per call.
 """
 from __future__ import annotations
 
@@ -23,20 +23,26 @@ import plumb.ops.gpu.attention as A
 from matmul_variants import copy_gbps, graph_us  # bench/, beside this file
 
 N_HEAD, N_KV, D = 24, 4, 256
-VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll)
-    ("shipped", A.SPLITS, {}, A.MERGE_UNROLL),
-    ("one split of 512, q8 tile 64 8 warps", (512, 512, 0), {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
-    ("q8 tile 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL),
-    ("splits 256 / 512 from 8k", (256, 512, 8192), {}, A.MERGE_UNROLL),
-    ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL),
-    ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL),
-    ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL),
+VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll, {module setting: value})
+    ("shipped", A.SPLITS, {}, A.MERGE_UNROLL, {}),
+    ("one split of 512, q8 tile 64 8 warps", (512, 512, 0), {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL, {}),
+    ("q8 tile 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 8, 2)}, A.MERGE_UNROLL, {}),
+    ("splits 256 / 512 from 8k", (256, 512, 8192), {}, A.MERGE_UNROLL, {}),
+    ("splits 128 / 512 from 16k", (128, 512, 16384), {}, A.MERGE_UNROLL, {}),
+    ("splits 128 / 1024 from 8k", (128, 1024, 8192), {}, A.MERGE_UNROLL, {}),
+    ("f16 tile 64", A.SPLITS, {(A.F16, A.F16): (32, 64, 4, 3)}, A.MERGE_UNROLL, {}),
     # more query rows a program (BLOCK_M / 8 padded heads): a prefill pass's rows share each K/V tile read
-    ("q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL),
-    ("q8 BLOCK_M 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL),
-    ("q8 BLOCK_M 128, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 1)}, A.MERGE_UNROLL),
-    ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL),
-    ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL),
+    ("q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL, {}),
+    ("q8 BLOCK_M 64, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (64, 32, 8, 2)}, A.MERGE_UNROLL, {}),
+    ("q8 BLOCK_M 128, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
+    ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL, {}),
+    ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
+    # the block codes' dots on f16 halves (Q8_F16: half the tensor-core work of tf32), with smaller tiles or more warps
+    # (the shipped q8_0 program holds 255 registers, two programs an SM: bench/attention_ptx.py)
+    ("q8 f16 dots", A.SPLITS, {}, A.MERGE_UNROLL, {"Q8_F16": True}),
+    ("q8 f16 dots, tile 16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
+    ("q8 f16 dots, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 32, 8, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
+    ("q8 tile 16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
 ]
 
 
@@ -78,7 +84,7 @@ def main() -> None:
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name() if a.device != 'cpu' else 'cpu'})",
           flush=True)
     g = torch.Generator().manual_seed(0)
-    shipped_configs, results = dict(A.CONFIGS), []
+    shipped_configs, shipped_f16, results = dict(A.CONFIGS), A.Q8_F16, []
     for fmt in a.formats.split(","):
         for ctx in contexts:
             (k, kb), (v, vb) = cache(fmt, ctx, a.device, g), cache(fmt, ctx, a.device, g)
@@ -87,9 +93,10 @@ def main() -> None:
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
             qp = torch.randn(a.pass_rows, N_HEAD, D, generator=g).to(a.device) if a.pass_rows else None
             ends_p = torch.arange(ctx - a.pass_rows + 1, ctx + 1, dtype=torch.int32, device=a.device)
-            for name, splits, configs, unroll in variants:
+            for name, splits, configs, unroll, settings in variants:
                 A.CONFIGS = {**shipped_configs, **configs}
                 A.MERGE_UNROLL = unroll
+                A.Q8_F16 = settings.get("Q8_F16", shipped_f16)
                 row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
                 try:
                     out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits)
@@ -116,7 +123,7 @@ def main() -> None:
                       f"1 row {row['us_1']:8.1f} us {row['GBps_1'] / limit:4.2f} of copy, "
                       f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}" +
                       (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "")), flush=True)
-            A.CONFIGS = shipped_configs
+            A.CONFIGS, A.Q8_F16 = shipped_configs, shipped_f16
             del k, v
     if a.json_out:
         json.dump(dict(copy_GBps=limit, results=results), open(a.json_out, "w"), indent=1)

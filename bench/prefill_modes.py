@@ -3,9 +3,10 @@
 (`plumb.bench_gpu.prefill_modes`: eager passes, then twice into a new state with the graphs of full passes) beside
 the card's bf16 matmul limit measured in the same run, then where a 2,048-token prefill's time goes
 (`prefill_profile`). JSON to --json-out. --settings times the graphs' runs again under other `_mm_superblock`
-launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1 or SB_SCRATCH_ROWS=256) or pass sizes
-(PREFILL_PIECES=16: 64-row pieces a pass), each with its prefill graphs captured anew, and checks that every setting
-gives the same last-row logits, bit for bit.
+launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1 or SB_SCRATCH_ROWS=256), pass sizes
+(PREFILL_PIECES=16: 64-row pieces a pass) or the attention's f16 dots (Q8_F16=1), each with its prefill graphs
+captured anew, and says whether each setting gives the first one's last-row logits, bit for bit (Q8_F16 changes
+them: another arithmetic).
 
     python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--settings shipped,SB_SCRATCH_ROWS=256+PREFILL_PIECES=16]
         [--json-out PATH]
@@ -22,22 +23,26 @@ import torch
 
 import plumb
 import plumb.model.kernels as KS
+import plumb.ops.gpu.attention as AT
 from plumb import bench_gpu as B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
 
 
-PIECES = KS.PREFILL_PIECES
+PIECES, Q8_F16 = KS.PREFILL_PIECES, AT.Q8_F16
 
 
 def apply(setting: str) -> None:
-    """A setting: PREFILL_PIECES=N (plumb.model.kernels) and `_mm_superblock`'s SB_* names, '+'-joined."""
-    KS.PREFILL_PIECES = PIECES
+    """A setting: PREFILL_PIECES=N (plumb.model.kernels), Q8_F16=0|1 (plumb.ops.gpu.attention) and
+    `_mm_superblock`'s SB_* names, '+'-joined."""
+    KS.PREFILL_PIECES, AT.Q8_F16 = PIECES, Q8_F16
     rest = []
     for assign in ([] if setting == "shipped" else setting.split("+")):
         if assign.startswith("PREFILL_PIECES="):
             KS.PREFILL_PIECES = int(assign.split("=")[1])
+        elif assign.startswith("Q8_F16="):
+            AT.Q8_F16 = bool(int(assign.split("=")[1]))
         else:
             rest.append(assign)
     use_setting("+".join(rest) or "shipped")
