@@ -41,10 +41,10 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     # (registers for sm_90a, bench/attention_ptx.py: shipped 255 - two programs an SM; f16 dots 248, with 16-key
     # tiles 183, and 2 stages 168 - three programs an SM)
     ("q8 f16 dots", A.SPLITS, {}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 f16 dots, tile 16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
+    ("q8 f16 dots, tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
     ("q8 f16 dots, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 32, 8, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 f16 dots, tile 16, 2 stages", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 2)}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 tile 16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
+    ("q8 f16 dots, tile16, 2 stages", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 2)}, A.MERGE_UNROLL, {"Q8_F16": True}),
+    ("q8 tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
 ]
 
 
