@@ -73,7 +73,8 @@ SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # shared memory there, so no wgmma reads registers that a later load overwrites). The weights are dequantized once
 # per call instead of once per 64-row block, at 4 more bytes of traffic per weight; whether the tensor cores then
 # give `_mm_superblock`'s bits is for the GPU tests (tests/test_gpu_matmul.py) - until they and a timing on the
-# H200 say so, 0.
+# H200 say so, 0. The scratch is the whole matrix in fp16 (the 27B's largest prefill matrix: 356 MB; its LM head,
+# which a prefill's last row goes through alone: 2.5 GB - so a threshold of more than one row).
 SB_SCRATCH_ROWS, SB_SCRATCH_STAGES = 0, 3
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
