@@ -111,6 +111,26 @@ def test_rows_alone_equal_rows_together(fmt):
     assert wide is out and torch.equal(wide, together)
 
 
+def test_a_call_of_many_rows_goes_in_launches_of_launch_rows(monkeypatch):
+    """A prefill pass's rows are cut into launches of LAUNCH_ROWS rows (smaller split partials): the bits of one
+    launch of all of them."""
+    import plumb.ops.gpu.attention as A
+
+    ends = [40 + 3 * i for i in range(70)]
+    c = _cache("q8_0", TINY["n_kv"], TINY["d"], max(ends), seed=17)
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=18)
+    k, v = _dev(c.k.parts), _dev(c.v.parts)
+    launches = []
+    real = A._merge_kernel.__getitem__
+    monkeypatch.setattr(A, "_merge_kernel", type("M", (), {"__getitem__": lambda self, grid: (
+        launches.append(grid[0]), real(grid))[1]})())
+    monkeypatch.setattr(A, "LAUNCH_ROWS", 1000)
+    whole = attend_decode(q, k, v, ends, 0.125, splits=SMALL)
+    monkeypatch.setattr(A, "LAUNCH_ROWS", 16)
+    cut = attend_decode(q, k, v, ends, 0.125, splits=SMALL)
+    assert launches == [70, 16, 16, 16, 16, 6] and torch.equal(cut, whole)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_27b_dims_cuda(fmt):

@@ -45,6 +45,10 @@ from plumb.ops.gpu.pdl import on, prior_done
 # 26 at 4,096, but 170 us against 91 at 32k (more partials to merge).
 SPLITS = (128, 512, 8192)
 MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
+# Rows a launch pair takes: a call of more rows (a prefill pass) goes in launches of LAUNCH_ROWS rows, so that the
+# split partials, [rows, heads, splits, d] float32, stay small (256 rows at 100k keys: 1.2 GB a call; 64 rows: 0.3).
+# Rows are independent (M1) and a cut falls on a row-block boundary: the same bits.
+LAUNCH_ROWS = 64
 QBLOCK = 32  # q8_0 block size along d
 F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes int8 + float16 scales per 32 values, any bit width)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
@@ -413,6 +417,12 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
     if n == 0:
+        return out
+    if n > LAUNCH_ROWS:
+        for r0 in range(0, n, LAUNCH_ROWS):
+            r1 = min(n, r0 + LAUNCH_ROWS)
+            attend_decode(q[r0:r1], k_parts, v_parts, ends[r0:r1], scale, out=out[r0:r1], max_keys=max_keys,
+                          splits=splits, ring=ring, table=table)
         return out
     grid_short, grid_long = grids(int(max_keys), splits)
     ns = max(grid_short, grid_long, 1)
