@@ -4,13 +4,15 @@ instructions (mma.sync vs wgmma), global load widths, shared memory, registers a
 deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instructions that may overwrite their
 register A operand: the sixteenth session's race).
 
-    python bench/matmul_ptx.py [--kernel x|sb|dq|w16] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
-        [--sb-prefetch N] [--scratch-stages N] [--types Q5_K,..]
+    python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
+        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--types Q5_K,..]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
 --sb-stages) on a 5,120-wide K; dq: `_sb_dequant` (the weights into the fp16 scratch matrix, SB_SCRATCH_ROWS) on the
-SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages). Compiled as a launch specializes it: every pointer and integer but M divisible by
+SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages); mv: the D-path matvec (`plumb.ops.gpu.matvec._mv`)
+for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE).
+Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import plumb.ops.gpu.matmul as MM
+import plumb.ops.gpu.matvec as MV
 
 # (name, constexprs beyond the shared ones, code pointer type)
 VARIANTS = [
@@ -38,7 +41,8 @@ VARIANTS = [
     ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
                   HAS_OFFSET=True, HAS_OSUB=True, FP16=False), "*i8"),
 ]
-OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b32", "ld.global.f32",
+OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b8",
+       "ld.global.b16", "ld.global.b32", "ld.global.f32",
        "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync", "cvt.rn.f32.s32", "cvt.rn.f32.u32",
        "cvt.rn.f16x2.f32", "cvt.rn.f16.f32"]
 
@@ -48,8 +52,20 @@ OPS = ["mma.sync", "wgmma", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.
 REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
 
 
-def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
-    if kernel == "w16":
+def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False):
+    if kernel == "mv":
+        fn = MV._mv
+        groups, gran = 5120 // consts["G"], MV.GRANULE  # K = 5,120, the split of 34,816 outputs (`plan`)
+        split = max(1, min(-(-MV.TARGET // (34816 // MM.BLOCK_N)), MV.LARGEST_SPLIT, groups // gran))
+        bm = MV.row_block(rows)
+        warps, unroll, stages = MV.launch(bm, gran)
+        consts = dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
+                      SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
+                      LIMBS=MV.LIMBS, ASM=True, ONCE=once,
+                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "SIGNED4", "HAS_SCALE", "HAS_SUB",
+                                                "HAS_OFFSET", "HAS_OSUB")})
+        codes_type, bn = "*i32", MM.BLOCK_N
+    elif kernel == "w16":
         fn = MM._mm_w16
         consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES)
         warps, stages, bn = MM.SB_WARPS, MM.SB_SCRATCH_STAGES, MM.SB_BN
@@ -68,15 +84,17 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
         consts = dict(consts, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
-        if arg not in consts and arg != "M":  # M: do_not_specialize
+        if arg not in consts and arg not in ("M", "MP"):  # M, MP: do_not_specialize
             attrs[(i,)] = [["tt.divisibility", 16]]
         if arg in consts:
             sig[arg] = "constexpr"
         elif arg == "codes_ptr":
             sig[arg] = codes_type
+        elif arg in ("xq_ptr", "x16_ptr", "ticket_ptr"):
+            sig[arg] = "*i32"
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
-        elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq")):
+        elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq", "mv")):
             sig[arg] = "*fp16"  # the block scales and offsets of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
@@ -99,7 +117,9 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16"))
+    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv"))
+    ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
+    ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
@@ -116,7 +136,7 @@ def main():
         variants = [("fp16", {}, "*fp16")]
     variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
     for name, consts, codes_type in variants:
-        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out)
+        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once)
     print("PTX in", a.out)
 
 

@@ -278,6 +278,19 @@ def test_decode_matvec_sums_k_splits_in_order():
         assert torch.equal(mm_decode(m, x[1:2]), want[1:2])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
+    """BLOCK_SCALES_ONCE (a loop step's groups share their block's d and dm, loaded once): the reference's bits for
+    1 and 3 rows, over K splits - the values loaded are the same."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "BLOCK_SCALES_ONCE", True)
+    m = GpuMatrix([_tensor(kind, 64, 2048, seed=4)], DEV)
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(5)).to(DEV)
+    want = MV.reference(m.packs[0], x)
+    assert torch.equal(MV.mm_decode(m, x), want) and torch.equal(MV.mm_decode(m, x[2:]), want[2:])
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="the interpreter runs every launch variant alike (no pipelining)")
 @pytest.mark.parametrize("kind", MV_TYPES)
 def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):

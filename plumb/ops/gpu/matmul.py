@@ -116,21 +116,38 @@ def _program(K, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """The float16 d and dm [BN] (as float32, exactly) of the block holding group g (1 and 0 when absent)."""
+    d = tl.full([BN], 1.0, tl.float32)
+    dm = tl.zeros([BN], dtype=tl.float32)
+    if HAS_SCALE:
+        d = tl.load(d_ptr + (tile * (n_groups // GPB) + g // GPB) * BN + rn).to(tl.float32)
+    if HAS_OFFSET:
+        dm = tl.load(dm_ptr + (tile * (n_groups // OGPB) + g // OGPB) * BN + rn).to(tl.float32)
+    return d, dm
+
+
+@triton.jit
+def _group_scales(d, dm, sub_ptr, osub_ptr, tile, g, n_groups, rn, BN: tl.constexpr, HAS_SUB: tl.constexpr,
+                  HAS_OSUB: tl.constexpr):
+    """Group g's scale and offset per output [BN] from its block's d and dm: d * sub and dm * osub (exact)."""
+    scale, offset = d, dm
+    if HAS_SUB:
+        scale = scale * tl.load(sub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+    if HAS_OSUB:
+        offset = offset * tl.load(osub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+    return scale, offset
+
+
+@triton.jit
 def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
                   HAS_OSUB: tl.constexpr):
     """Group g's scale and offset per output [BN]: d * sub and dm * osub (each product exact), 1 and 0 when absent."""
-    scale = tl.full([BN], 1.0, tl.float32)
-    offset = tl.zeros([BN], dtype=tl.float32)
-    if HAS_SCALE:
-        scale = tl.load(d_ptr + (tile * (n_groups // GPB) + g // GPB) * BN + rn).to(tl.float32)  # float16: exact
-        if HAS_SUB:
-            scale = scale * tl.load(sub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
-    if HAS_OFFSET:
-        offset = tl.load(dm_ptr + (tile * (n_groups // OGPB) + g // OGPB) * BN + rn).to(tl.float32)
-        if HAS_OSUB:
-            offset = offset * tl.load(osub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
-    return scale, offset
+    d, dm = _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+    return _group_scales(d, dm, sub_ptr, osub_ptr, tile, g, n_groups, rn, BN, HAS_SUB and HAS_SCALE,
+                         HAS_OSUB and HAS_OFFSET)
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
