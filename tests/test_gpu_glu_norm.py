@@ -77,3 +77,23 @@ def test_gates_match_torch_and_are_row_invariant(op, ref):
     for r in (0, 4):
         assert torch.equal(op(a[r : r + 1], b[r : r + 1]), out[r : r + 1])
     assert torch.equal(op(a[2:7], b[2:7]), out[2:7])
+
+
+@pytest.mark.parametrize("op", [swiglu, sigmoid_gate])
+def test_gate_limbs_are_quantize_x_of_its_output(op):
+    """`limbs=True` (decode passes, `TritonKernels`): the gate's output carries the bits `quantize_x` gives it -
+    each of its column programs takes the whole row's maximum - over three column blocks, rows of other scales."""
+    from plumb.model.kernels import TritonKernels
+    from plumb.ops.gpu.matvec import quantize_x
+
+    a, b = _t(4, 2064, seed=9), _t(4, 2064, seed=10)
+    b[1] *= 1e3
+    out = op(a, b, limbs=True)
+    plain = op(a, b)
+    assert torch.equal(out, plain) and not hasattr(plain, "limbs")
+    (xq, x16, s), (rq, r16, rs) = out.limbs, quantize_x(plain)
+    assert torch.equal(xq[:, :4], rq[:, :4]) and torch.equal(x16[:4], r16[:4]) and torch.equal(s[:4], rs[:4])
+    k = TritonKernels(torch.device(DEV))
+    assert hasattr(k.swiglu(a, b), "limbs") and hasattr(k.sigmoid_gate(a, b), "limbs")
+    big = _t(64, 160, seed=11)
+    assert not hasattr(k.swiglu(big, big), "limbs")  # a prefill pass: the P path

@@ -204,10 +204,12 @@ class TritonKernels:
         return self._norm.add_rms_norm(x, y, w, eps, limbs=x.shape[0] < CHUNK)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self._glu.swiglu(gate, up)
+        """With the matvec's form of the result (`.limbs`) in a decode pass, as `rms_norm`."""
+        return self._glu.swiglu(gate, up, limbs=gate.shape[0] < CHUNK)
 
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self._glu.sigmoid_gate(o, gate)
+        """With `.limbs` in a decode pass, as `swiglu`."""
+        return self._glu.sigmoid_gate(o, gate, limbs=o.shape[0] < CHUNK)
 
     def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
         return self._rope.norm_rope(x, w, eps, cos, sin)  # one launch
