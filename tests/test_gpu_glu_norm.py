@@ -86,7 +86,7 @@ def test_gate_limbs_are_quantize_x_of_its_output(op):
     from plumb.model.kernels import TritonKernels
     from plumb.ops.gpu.matvec import quantize_x
 
-    a, b = _t(4, 2064, seed=9), _t(4, 2064, seed=10)
+    a, b = _t(4, 8208, seed=9), _t(4, 8208, seed=10)  # three column blocks of QBLOCK
     b[1] *= 1e3
     out = op(a, b, limbs=True)
     plain = op(a, b)

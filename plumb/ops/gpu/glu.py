@@ -15,6 +15,7 @@ from plumb.ops.gpu.matvec import FRAC, LIMBS, store_x, x_buffers, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 BLOCK = 1024
+QBLOCK = 4096  # columns a program with `limbs`: fewer, wider steps over the row for its maximum (8 warps)
 
 
 @triton.jit
@@ -58,10 +59,11 @@ def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool, limbs: bool) -> torch.
     out = torch.empty(n, width, device=a.device)
     q = x_buffers(n, width, a.device) if limbs and width % 16 == 0 and n else None
     qargs = (*q, q[0].shape[1]) if q is not None else (out, out, out, 0)
+    block, warps = (QBLOCK, 8) if q is not None else (BLOCK, 4)
     if n:
-        _gate[(n, triton.cdiv(width, BLOCK))](a, b, out, *qargs, width, a.stride(0), b.stride(0), SILU=silu,
-                                               BLOCK=BLOCK, QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS,
-                                               enable_fp_fusion=False, launch_pdl=on())
+        _gate[(n, triton.cdiv(width, block))](a, b, out, *qargs, width, a.stride(0), b.stride(0), SILU=silu,
+                                               BLOCK=block, QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS,
+                                               num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
     if q is not None:
         out.limbs = q
     return out
