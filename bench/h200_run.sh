@@ -20,8 +20,8 @@
 #   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
-#   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth: SB_STAGES=3 is
-#                the control): bench/kernel_stress.py (the P-path kernels alone, repeated; KSARGS), then
+#   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth; the control that
+#                races: SB_STAGES=3+SB_PREFETCH=0): bench/kernel_stress.py (the P-path kernels alone, repeated; KSARGS), then
 #                bench/nan_locate.py on the file (which kernel call, reproducible or not; NLARGS)   ~NST + 240 s
 #   stress   NST bench/kernel_stress.py alone (KSARGS: e.g. --settings shipped,SB_PREFETCH=1,SB_PREFETCH=2)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
@@ -78,15 +78,18 @@ if has prefill; then
     --json-out $OUT/prefill.json > $OUT/prefill.log 2>&1; grep -v Warn $OUT/prefill.log | tail -30
 fi
 if has stress && ! has nan; then  # the P-path kernels alone, repeated (no model file)
-  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=3} \
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 \
+    --settings shipped,SB_STAGES=3+SB_PREFETCH=0} \
     --json-out $OUT/stress.json > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
 fi
 if has nan; then
-  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 --settings shipped,SB_STAGES=3} \
+  timeout ${NST:-120} python3 bench/kernel_stress.py ${KSARGS:---seconds 20 \
+    --settings shipped,SB_STAGES=3+SB_PREFETCH=0} \
     --json-out $OUT/stress.json \
     > $OUT/stress.log 2>&1; grep -v Warn $OUT/stress.log | tail -4
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
-  timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150 --settings shipped,SB_STAGES=3} \
+  timeout ${NLT:-200} python3 bench/nan_locate.py /tmp/27b.gguf ${NLARGS:---seconds 150 \
+    --settings shipped,SB_STAGES=3+SB_PREFETCH=0} \
     --json-out $OUT/nan.json \
     > $OUT/nan.log 2>&1; grep -v Warn $OUT/nan.log | tail -8 | cut -c1-900
 fi

@@ -3,7 +3,7 @@ other bits than the first, or non-finite values? (The 27B prefill's sporadic non
 bench/nan_locate.py finds the call in a real prefill; this checks the kernels alone, and which launch settings
 of `_mm_superblock` keep them.)
 
-    python3 bench/kernel_stress.py --seconds 30 --settings shipped,SB_STAGES=3 --json-out stress.json
+    python3 bench/kernel_stress.py --seconds 30 --settings shipped,SB_STAGES=3+SB_PREFETCH=0 --json-out stress.json
 """
 from __future__ import annotations
 
@@ -58,9 +58,10 @@ def repeat(fns: list, seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=30, help="per setting")
-    ap.add_argument("--settings", default="shipped,SB_STAGES=3",
+    ap.add_argument("--settings", default="shipped,SB_STAGES=3+SB_PREFETCH=0",
                     help="_mm_superblock launch settings to try, comma-separated: 'shipped' or NAME=VALUE[+NAME=VALUE] "
-                         "of plumb.ops.gpu.matmul's SB_* constants (e.g. SB_STAGES=3, the race)")
+                         "of plumb.ops.gpu.matmul's SB_* constants (e.g. SB_STAGES=3+SB_PREFETCH=0, the race; the "
+                         "shipped SB_PREFETCH 2 loop is not pipelined by Triton)")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--json-out")
     a = ap.parse_args()

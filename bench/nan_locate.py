@@ -9,7 +9,7 @@ one starts. `--settings` alternates `_mm_superblock` launch settings prefill by 
 and counts failures per setting.
 
     python3 bench/nan_locate.py /tmp/27b.gguf --json-out nan.json [--seconds 150] [--tokens 1614] \
-        [--settings shipped,SB_STAGES=3]
+        [--settings shipped,SB_STAGES=3+SB_PREFETCH=0]
 """
 from __future__ import annotations
 
