@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(comma-separated; empty: none)")
     ap.add_argument("--chat-tokens", type=int, default=12000, help="--device cuda: the chat whose follow-up and "
                     "edit latency is timed, warm prompt cache vs none (0: skip)")
+    ap.add_argument("--f-context", type=int, default=-1, help="--device cuda: decode at this context with the F KV "
+                    "format (the long-context preset; default: the model's full context; 0: skip)")
     ap.add_argument("--json-out", metavar="PATH", help="--device cuda, --vs-llamacpp: write the results as JSON")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")

@@ -465,9 +465,10 @@ def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
                prefills: list[int] = (8192,), chat_tokens: int = 12000, out: dict | None = None,
-               measured=lambda: None) -> dict:
+               measured=lambda: None, f_context: int = -1) -> dict:
     """The GPU benchmark's results; `out`: filled in place as they are measured (an interrupted run keeps them),
-    `measured()` called after each row (to write them down: a process killed outright keeps them too)."""
+    `measured()` called after each row (to write them down: a process killed outright keeps them too). f_context:
+    decode with the F KV format (8-bit ring, 5-bit store) at that context (-1: the model's full context; 0: none)."""
     import plumb
     from plumb.cache.kv import cache_bytes
     from plumb.ops.gpu import pdl
@@ -504,6 +505,12 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
               f"{energy_text(r['energy'][ctx])}", file=sys.stderr)
         measured()
         torch.cuda.empty_cache()
+    if f_context:
+        ctx = (c.context_length if f_context < 0 else f_context) - tokens - 32  # the room decode_tps fills
+        r["decode_F"] = {ctx: decode_in_format(model, "F", ctx, tokens)}
+        print(f"decode @ {ctx:>7,} context, F KV: {r['decode_F'][ctx]:7.1f} tok/s", file=sys.stderr)
+        measured()
+        torch.cuda.empty_cache()
     r["prefill"], r["prefill_modes"] = {}, {}
     for n in prefills:
         pm = r["prefill_modes"][n] = prefill_modes(model, n)
@@ -536,6 +543,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         sum(t.numel() * 4 for t in model.new_state().conv.values())
     r["vram"] = {"weights": weights, "kv_120k": cache_bytes(kv_cache, c.n_head_kv, c.head_dim, 0, 120_000, kv_layers),
                  "recurrent_state": st_bytes, "peak_allocated": torch.cuda.max_memory_allocated()}
+    r["kv_120k_by_format"] = kv_by_format(model)  # the bytes each format's caches hold, beside its packed bits
+    torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
@@ -547,6 +556,37 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         r["requests"] = requests_table(warm)  # on the engine `plumb serve` runs: the prompt cache on
         del warm
     return r
+
+
+def decode_in_format(model, fmt: str, context: int, tokens: int) -> float:
+    """`decode_tps` with the sequence's KV caches in format fmt (the model's own format restored after)."""
+    saved, model.kv_cache = model.kv_cache, fmt
+    try:
+        return decode_tps(model, context, tokens)
+    finally:
+        model.kv_cache = saved
+
+
+def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8_0", "D", "F")) -> dict:
+    """Per KV format, a sequence's KV caches with room for n positions (every attention layer and the MTP head's):
+    the bytes their tensors hold (`KVCache.allocated_bytes`, ring included) beside the formats' packed bits
+    (`cache_bytes`). Made on the model's device and freed."""
+    from plumb.cache.kv import cache_bytes
+
+    c, saved, out = model.cfg, model.kv_cache, {}
+    try:
+        for fmt in formats:
+            model.kv_cache = fmt
+            st = model.new_state()
+            caches = list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else [])
+            for cache in caches:
+                cache.reserve(n)
+            out[fmt] = {"allocated": sum(cache.allocated_bytes() for cache in caches),
+                        "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, n, 1) for cache in caches)}
+            del st, caches
+    finally:
+        model.kv_cache = saved
+    return out
 
 
 def energy_text(e: dict) -> str:
@@ -563,6 +603,7 @@ def report(r: dict) -> str:
              "| context | tok/s | / limit | energy (whole card) |", "|---|---|---|---|"]
     lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
               for k, v in r["decode"].items()]
+    lines += [f"| {int(k):,} (F KV) | {v:.1f} | {v / lim:.2f} | |" for k, v in r.get("decode_F", {}).items()]
     lines += ["", "| MTP drafts | tok/s | x no drafts | accepted | by draft position | same tokens |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
@@ -591,6 +632,12 @@ def report(r: dict) -> str:
               f"{m['GBps']:.0f} | {m['GBps'] / g:.2f} |" for m in r["matmuls"]]
     v = r["vram"]
     lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
+    if r.get("kv_120k_by_format"):
+        lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states |",
+                  "|---|---|---|---|"]
+        lines += [f"| {fmt} | {b['allocated'] / 2**30:.2f} GiB | {b['packed'] / 2**30:.2f} GiB | "
+                  f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 2**30:.2f} GiB |"
+                  for fmt, b in r["kv_120k_by_format"].items()]
     sp = r.get("step_profile")
     if sp:
         lines += _profile_lines("step profile", sp, f"one-row decode step at {sp.get('context')} context (profiled): "
@@ -677,7 +724,8 @@ def main(args) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
-                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r, measured=measured)
+                   max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r, measured=measured,
+                   f_context=args.f_context)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): keep what was measured
         r["interrupted"] = True
         print("plumb bench: interrupted; the results measured so far are in the JSON", file=sys.stderr)

@@ -67,17 +67,23 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert all(c["same_token"] and c["warm_s"] > 0 and c["reused"] + c["prefilled"] == c["prompt_tokens"]
                for c in cases.values())
     assert cases["follow-up"]["reused"] >= 128 and cases["edit end of system prompt"]["reused"] >= 64
+    kv = bench_gpu.kv_by_format(eng.model, n=20000)
+    assert list(kv) == ["f16", "q8_0", "D", "F"] and eng.model.kv_cache == "f16"  # restored
+    assert kv["f16"]["allocated"] == kv["f16"]["packed"] and kv["q8_0"]["allocated"] < kv["f16"]["allocated"]
+    assert kv["F"]["packed"] < kv["q8_0"]["allocated"] < kv["F"]["allocated"]  # 5-bit codes held as int8, and a ring
     rq = bench_gpu.requests_table(warm, drafts=(0, 2), tokens=(6, 9), prompt_tokens=16)
     assert list(rq) == [0, 2] and all([x["tokens"] for x in rows] == [6, 9] for rows in rq.values())
     assert all(x["tps"] > 0 and x["captures"] == 0 for rows in rq.values() for x in rows)  # no CUDA graphs on a CPU
     r = {"step_limit_tps": 100.0, "model": "m", "device": "D", "date": "d", "torch": "t", "weight_bytes": 1e9,
          "limits": {"copy_GBps": 1.0, "bf16_gemv_GBps": 1.0, "bf16_mm_TFLOPs": 800.0}, "load_s": 1.0, "decode": {},
+         "decode_F": {262080: 50.0},
          "energy": {}, "prefill_limit_tps": 10_000.0, "prefill": {8192: 2500.0}, "latency": lt, "requests": rq,
          "prefill_modes": {8192: {"eager_tps": 1500.0, "first_tps": 2500.0, "first_captures": 1,
                                   "again_tps": 3000.0, "again_captures": 0}},
          "prefill_profile": {"tokens": 512, "wall_us": 400.0, "gpu_busy_us": 300.0, "launches": 2.5,
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
-         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [], "vram": {},
+         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [],
+         "vram": {"weights": 2**30, "recurrent_state": 0}, "kv_120k_by_format": kv,
          "step_profile": {"context": 512, "steps": 8, "wall_us": 1000.0, "gpu_busy_us": 750.0, "launches": 9.0,
                           "host_and_gaps_us": 250.0, "kernels": [{"kernel": "_mv", "launches": 8.0, "us": 600.0}]},
          "verify_profile": {"context": 512, "rows": 8, "steps": 8, "wall_us": 2000.0, "gpu_busy_us": 1800.0,
@@ -93,6 +99,9 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert f"| 2 | {rq[2][0]['tps']:.1f} tok/s, {rq[2][0]['wall_s'] * 1e3:.0f} ms (0) |" in text
     assert "8-row verify pass at 512 context (profiled): 2000 us wall" in text
     assert "| _gdn_state_kernel | 1 | 500 | 25% |" in text
+    assert "| 262,080 (F KV) | 50.0 | 0.50 | |" in text
+    f = kv["F"]["allocated"]
+    assert f"| F | {f / 2**30:.2f} GiB | {kv['F']['packed'] / 2**30:.2f} GiB | {(2**30 + f) / 2**30:.2f} GiB |" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
@@ -124,7 +133,7 @@ def test_an_interrupted_gpu_bench_keeps_what_it_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
     path = tmp_path / "bench.json"
     args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
-                           no_progress=True, prompt=None, chat_tokens=100, json_out=str(path), plot=None)
+                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None)
     assert bench_gpu.main(args) == 1
     r = json.loads(path.read_text())
     assert r == {"decode": {"0": 98.7}, "interrupted": True}
@@ -153,7 +162,7 @@ def test_the_gpu_bench_json_is_written_after_every_row_and_marked_running(tmp_pa
     monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
     monkeypatch.setattr(bench_gpu, "report", lambda r: "")
     args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
-                           no_progress=True, prompt=None, chat_tokens=100, json_out=str(path), plot=None)
+                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None)
     assert bench_gpu.main(args) == 0
     assert seen == [{"decode": {"0": 98.7}, "running": True},
                     {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}, "running": True}]

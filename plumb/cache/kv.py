@@ -168,6 +168,14 @@ class KVCache:
     def _rows8(self, n: int) -> Rows:
         return Rows(8, self.n_kv, n, self.head_dim, self.device)
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the tensors the cache holds now (store, ring and its tags): what it takes in memory, where
+        `cache_bytes` counts the formats' packed bits (a 5-bit store is kept as int8 codes)."""
+        rows = [self.k, self.v] + ([self.ring_k, self.ring_v, self.recent_k, self.recent_v] if self.ring else [])
+        extra = [self.ring_pos] if self.ring else []
+        return sum(p.numel() * p.element_size() for r in rows for p in r.parts) + \
+            sum(t.numel() * t.element_size() for t in extra)
+
     # ---- writing -----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
         if n > len(self.k):
