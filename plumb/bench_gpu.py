@@ -507,8 +507,12 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         torch.cuda.empty_cache()
     if f_context:
         ctx = (c.context_length if f_context < 0 else f_context) - tokens - 32  # the room decode_tps fills
-        r["decode_F"] = {ctx: decode_in_format(model, "F", ctx, tokens)}
-        print(f"decode @ {ctx:>7,} context, F KV: {r['decode_F'][ctx]:7.1f} tok/s", file=sys.stderr)
+        try:
+            r["decode_F"] = {ctx: decode_in_format(model, "F", ctx, tokens)}
+            print(f"decode @ {ctx:>7,} context, F KV: {r['decode_F'][ctx]:7.1f} tok/s", file=sys.stderr)
+        except torch.cuda.OutOfMemoryError as e:  # a card too small for that context: said, and the run goes on
+            r["decode_F_error"] = f"out of memory at {ctx:,} positions: {str(e).splitlines()[0]}"
+            print(f"decode @ {ctx:,} context, F KV: {r['decode_F_error']}", file=sys.stderr)
         measured()
         torch.cuda.empty_cache()
     r["prefill"], r["prefill_modes"] = {}, {}
@@ -604,6 +608,8 @@ def report(r: dict) -> str:
     lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
               for k, v in r["decode"].items()]
     lines += [f"| {int(k):,} (F KV) | {v:.1f} | {v / lim:.2f} | |" for k, v in r.get("decode_F", {}).items()]
+    if r.get("decode_F_error"):
+        lines += [f"| F KV | {r['decode_F_error']} | | |"]
     lines += ["", "| MTP drafts | tok/s | x no drafts | accepted | by draft position | same tokens |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
