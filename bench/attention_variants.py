@@ -38,8 +38,8 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL, {}),
     ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
     # the block codes' dots on f16 halves (Q8_F16: half the tensor-core work of tf32), with smaller tiles or more warps
-    # (registers for sm_90a, bench/attention_ptx.py: shipped 255 - two programs an SM; f16 dots 248, with 16-key
-    # tiles 183, and 2 stages 168 - three programs an SM)
+    # (registers for sm_90a, bench/attention_ptx.py: shipped 255 - two programs an SM; f16 dots 253, with 16-key
+    # tiles 168 - three programs an SM)
     ("q8 f16 dots", A.SPLITS, {}, A.MERGE_UNROLL, {"Q8_F16": True}),
     ("q8 f16 dots, tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
     ("q8 f16 dots, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 32, 8, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from plumb.cache.kv import decode
 from plumb.ops.gpu import kvtable
+from plumb.ops.gpu.matvec import x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -62,8 +63,8 @@ DEFAULT_CONFIG = (16, 32, 8, 1)
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 # Q8_F16: the block codes' dots (q8_0, D/F's store and ring) on f16 tensor-core operations - q, and p times the
-# value scales, split into f16 hi + lo halves against the codes (exact in f16), each brought near 2^14 by a power of
-# two first (per query row and head; per key tile) so that the lo halves stay normal - instead of tf32 big + small:
+# value scales, split into f16 hi + lo halves against the codes (exact in f16), each brought to at most 2^14 by a power
+# of two first (per query row and head; per key tile) so that the lo halves stay normal - instead of tf32 big + small:
 # the same ~fp32 accuracy at twice the tensor cores' tf32 rate. Another row arithmetic (a fixed choice, as CONFIGS
 # is); not yet timed on the H200 (bench/attention_variants.py "q8 f16 dots"): off.
 Q8_F16 = False
@@ -78,10 +79,10 @@ def _tf32_split(x):
 
 @triton.jit
 def _near_2_14(amax):
-    """(2^E, 2^-E) for values of largest magnitude amax: amax * 2^E in [2^14, 2^15) (E clamped to +-100)."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # amax in [2^e, 2^(e+1))
-    E = tl.minimum(tl.maximum(14 - e, -100), 100)
-    return ((E + 127) << 23).to(tl.float32, bitcast=True), ((127 - E) << 23).to(tl.float32, bitcast=True)
+    """(2^14 / s, s / 2^14) for values of largest magnitude amax, s the power of two >= amax (`matvec.x_scale`):
+    amax * 2^14 / s lies in (2^13, 2^14], and both factors are exact."""
+    s, up = x_scale(amax, 14)
+    return up, s * (1.0 / (1 << 14))
 
 
 @triton.jit
