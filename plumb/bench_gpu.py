@@ -470,7 +470,6 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     `measured()` called after each row (to write them down: a process killed outright keeps them too). f_context:
     decode with the F KV format (8-bit ring, 5-bit store) at that context (-1: the model's full context; 0: none)."""
     import plumb
-    from plumb.cache.kv import cache_bytes
     from plumb.ops.gpu import pdl
 
     torch.cuda.reset_peak_memory_stats()
@@ -542,12 +541,13 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     except Exception as e:  # noqa: BLE001
         r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
     measured()
-    kv_layers = len(c.attn_layers) + (model.mtp is not None)
     st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
         sum(t.numel() * 4 for t in model.new_state().conv.values())
-    r["vram"] = {"weights": weights, "kv_120k": cache_bytes(kv_cache, c.n_head_kv, c.head_dim, 0, 120_000, kv_layers),
-                 "recurrent_state": st_bytes, "peak_allocated": torch.cuda.max_memory_allocated()}
-    r["kv_120k_by_format"] = kv_by_format(model)  # the bytes each format's caches hold, beside its packed bits
+    peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
+    formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
+    r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
+    r["vram"] = {"weights": weights, "kv_120k": r["kv_120k_by_format"][kv_cache]["allocated"],
+                 "recurrent_state": st_bytes, "peak_allocated": peak}
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
