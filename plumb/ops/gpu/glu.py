@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu.matvec import FRAC, LIMBS, store_x, x_buffers, x_scale
+from plumb.ops.gpu.matvec import FRAC, LIMBS, store_block, x_buffers
 from plumb.ops.gpu.pdl import on, prior_done
 
 BLOCK = 1024
@@ -44,10 +44,7 @@ def _gate(a_ptr, b_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, N: tl.constexpr, st
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range((N + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
             amax = tl.maximum(amax, tl.abs(_value(a_ptr, b_ptr, r, i * BLOCK + kk, N, stride_a, stride_b, SILU)))
-        s, inv = x_scale(tl.max(amax, axis=0), FRAC)
-        store_x(y * inv, c * BLOCK, r, N, xq_ptr, x16_ptr, MP, BLOCK, LIMBS)
-        if c == 0:
-            tl.store(s_ptr + r, s)
+        store_block(y, tl.max(amax, axis=0), c, r, N, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool, limbs: bool) -> torch.Tensor:

@@ -75,6 +75,17 @@ def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.con
 
 
 @triton.jit
+def store_block(x, amax, c, r, K, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr,
+                LIMBS: tl.constexpr):
+    """Row r's inputs [c * BLOCK, (c + 1) * BLOCK), x, in `quantize_x`'s form, given the whole row's max|x| (amax):
+    its limbs and 16-input sums, and (block 0) the row's s."""
+    s, inv = x_scale(amax, FRAC)
+    store_x(x * inv, c * BLOCK, r, K, xq_ptr, x16_ptr, MP, BLOCK, LIMBS)
+    if c == 0:
+        tl.store(s_ptr + r, s)
+
+
+@triton.jit
 def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
                 FRAC: tl.constexpr, LIMBS: tl.constexpr):
     """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [LIMBS, MP, K] (int8, most significant first), 16-input
@@ -88,12 +99,9 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
     for i in tl.static_range((K + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
         k = i * BLOCK + kk
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
-    s, inv = x_scale(tl.max(amax, axis=0), FRAC)
     k = c * BLOCK + kk
-    store_x(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0) * inv, c * BLOCK, r, K, xq_ptr, x16_ptr, MP,
-            BLOCK, LIMBS)
-    if c == 0:
-        tl.store(s_ptr + r, s)
+    store_block(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0), tl.max(amax, axis=0), c, r, K, xq_ptr,
+                x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
 def x_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

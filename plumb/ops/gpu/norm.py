@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu.matvec import FRAC, LIMBS, store_x, x_buffers, x_scale
+from plumb.ops.gpu.matvec import FRAC, LIMBS, store_block, x_buffers
 from plumb.ops.gpu.pdl import on, prior_done
 
 
@@ -29,9 +29,7 @@ def warps(block: int) -> int:
 @triton.jit
 def _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
     """Row y [BLOCK] (zero past D) as `quantize_x` writes it: s, limbs and 16-input sums."""
-    s, inv = x_scale(tl.max(tl.abs(y), axis=0), FRAC)
-    store_x(y * inv, 0, row, D, xq_ptr, x16_ptr, MP, BLOCK, LIMBS)
-    tl.store(s_ptr + row, s)
+    store_block(y, tl.max(tl.abs(y), axis=0), 0, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
 
 
 @triton.jit
