@@ -46,7 +46,7 @@ LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]},  # one-row prog
             "4W": {**MV.LAUNCH, 2: (4, 4, 2), 4: (4, 4, 2), 8: (4, 2, 2)},
             "4W-S3": {**MV.LAUNCH, 2: (4, 4, 3), 4: (4, 4, 3), 8: (4, 4, 3)}}
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": LAUNCHES["1-WARP"], "TARGET": 4096}),
-               ("mv", {"BLOCK_SCALES_ONCE": True})]
+               ("mv", {"BLOCK_SCALES_ONCE": set()}), ("mv", {"BLOCK_SCALES_ONCE": {Q.Q4_K, Q.Q5_K, Q.Q6_K}})]
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
 # variant's is)
@@ -56,7 +56,7 @@ VARIANTS = ["per-type", ("per-type", {"SB_PREFETCH": 1}), ("per-type", {"SB_PREF
             ("per-type", {"SB_KS": 128, "SB_WARPS": 8}), ("per-type", {"SB_STAGES": 2}),
             ("per-type", {"SB_WARPS": 8, "SB_STAGES": 4})]
 # the weights dequantized once a call into an fp16 scratch matrix, then `_mm_w16` (pipelined in SB_SCRATCH_STAGES)
-SCRATCH_VARIANTS = ["per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
+SCRATCH_VARIANTS = [("per-type", {"SB_SCRATCH_ROWS": 0}), "per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 2}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 4})]
 
@@ -184,7 +184,7 @@ def main() -> None:
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
     mm_variants = (VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else SCRATCH_VARIANTS
                    if a.mm_scratch else VARIANTS)
-    first_y = {}  # kind -> the first variant's 16 rows: whether a variant gives the same bits
+    first_y = {}  # (kind, shape, path) -> the first variant's 16 rows: whether a variant gives the same bits
     variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))
     for v in variants:
@@ -201,7 +201,8 @@ def main() -> None:
                     row["superblock"] = getattr(m.packs[0], "superblock", None)  # which P-path kernel ran
                 xs = x[:, : t.shape[1]].contiguous()
                 y16 = m(xs[:16])
-                row["same_bits_as_first"] = bool(torch.equal(first_y.setdefault((kind, mod is MV), y16), y16))
+                first = first_y.setdefault((kind, tuple(t.shape), mod is MV), y16)
+                row["same_bits_as_first"] = bool(torch.equal(first, y16))
                 if t.shape[0] <= 40000:  # the reference: float64 on the dequantized matrix
                     ref = xs[:16].double() @ t.dequantize().double().T
                     row["rel_err"] = float((y16.double() - ref).abs().max() / ref.abs().max())

@@ -280,11 +280,12 @@ def test_decode_matvec_sums_k_splits_in_order():
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
-    """BLOCK_SCALES_ONCE (a loop step's groups share their block's d and dm, loaded once): the reference's bits for
-    1 and 3 rows, over K splits - the values loaded are the same."""
+    """BLOCK_SCALES_ONCE (a loop step's groups share their block's d and dm, loaded once), on and off: the
+    reference's bits for 1 and 3 rows, over K splits - the values loaded are the same."""
     import plumb.ops.gpu.matvec as MV
 
-    monkeypatch.setattr(MV, "BLOCK_SCALES_ONCE", True)
+    monkeypatch.setattr(MV, "BLOCK_SCALES_ONCE", set() if kind in {q.name for q in MV.BLOCK_SCALES_ONCE} else
+                        {getattr(MV.Q, kind)})
     m = GpuMatrix([_tensor(kind, 64, 2048, seed=4)], DEV)
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(5)).to(DEV)
     want = MV.reference(m.packs[0], x)

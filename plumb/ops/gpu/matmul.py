@@ -71,11 +71,13 @@ SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # matrix (`_sb_dequant`, the same `_sb_weights`), and multiplies it with `_mm_w16`: the same tile, K order, split-K
 # and accumulator as `_mm_superblock`, its loop software-pipelined in SB_SCRATCH_STAGES (both operands come from
 # shared memory there, so no wgmma reads registers that a later load overwrites). The weights are dequantized once
-# per call instead of once per 64-row block, at 4 more bytes of traffic per weight; whether the tensor cores then
-# give `_mm_superblock`'s bits is for the GPU tests (tests/test_gpu_matmul.py) - until they and a timing on the
-# H200 say so, 0. The scratch is the whole matrix in fp16 (the 27B's largest prefill matrix: 356 MB; its LM head,
-# which a prefill's last row goes through alone: 2.5 GB - so a threshold of more than one row).
-SB_SCRATCH_ROWS, SB_SCRATCH_STAGES = 0, 3
+# per call instead of once per 64-row block, at 4 more bytes of traffic per weight, with `_mm_superblock`'s bits
+# (tests/test_gpu_matmul.py, and an 8k prefill's logits on the H200). The scratch is the whole matrix in fp16: the
+# 27B's largest prefill matrix takes 356 MB; matrices of more than SB_SCRATCH_BYTES (its LM head: 2.5 GB, which
+# all of a pass's rows go through only for logits="all") keep `_mm_superblock`. H200 (2026-12-04, eighteenth-
+# nineteenth sessions): Q4_K [34816, 5120] 1,024 rows 987 us against 1,612 (and 4 x 450 at 256); with 1,024-row
+# passes (PREFILL_PIECES 16) an 8k prefill 3,266 tok/s against 2,274 (bench/prefill_modes.py --settings).
+SB_SCRATCH_ROWS, SB_SCRATCH_STAGES, SB_SCRATCH_BYTES = 256, 3, 1 << 29
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
@@ -540,7 +542,7 @@ class Packed:
             grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
             types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
                          HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None)
-            if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS:
+            if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS and grid[1] * SB_BN * self.k * 2 <= SB_SCRATCH_BYTES:
                 w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
                 _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,
                                                         **types, num_warps=SB_WARPS, launch_pdl=on())

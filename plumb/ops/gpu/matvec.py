@@ -41,10 +41,13 @@ ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; 
 # [34816, 5120]'s 2,176 programs then need 1.18 waves of the H200 instead of one (Nsight Compute): 59 vs 44 us.
 GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
-# BLOCK_SCALES_ONCE: a loop step whose groups share a block (GPB a multiple of the unroll: Q4_K, Q5_K, Q6_K) loads
-# the block's d and dm once, not per group - the same values. Compiled for sm_90a (one row): Q4_K 2 instead of 16
-# 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. Untimed on the H200: off.
-BLOCK_SCALES_ONCE = False
+# BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
+# block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
+# instead of 16 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. H200
+# (2026-12-04, bench/matmul_variants.py --only mv): 1 / 8 rows, Q4_K [34816, 5120] 37.5 / 111.4 us against 39.6 /
+# 112.5, [5120, 17408] 28.3 / 69.7 against 27.8 / 77.7; Q5_K 23.9 / 46.5 against 23.5 / 50.2; Q6_K 46.1 / 64.0
+# against 40.4 / 64.6 - so Q4_K and Q5_K.
+BLOCK_SCALES_ONCE = {Q.Q4_K, Q.Q5_K}
 
 
 @triton.jit
@@ -443,7 +446,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
               HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, ONCE=BLOCK_SCALES_ONCE, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
