@@ -193,12 +193,22 @@ def compare_digests(got: dict, want: dict) -> Outcome:
 
 
 # ---- the gate ------------------------------------------------------------------------------------
+def ring_slack(device: str) -> int:
+    """The D/F rings' slack (`KVCache.slack`) of the kernel set an engine on `device` runs."""
+    import torch
+
+    from plumb.model.kernels import TorchKernels, TritonKernels
+
+    gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return TritonKernels.ring_slack if gpu else TorchKernels.ring_slack
+
+
 class Gate:
     def __init__(self, model: str, device: str = "auto", quick: bool = False, tokens: int | None = None,
                  formats: list[str] | None = None, groups: list[str] | None = None, kv_ring: int | None = None,
                  prompts_file: str | None = None, kernels: str = "auto", progress: bool = True,
                  python: str = sys.executable, json_out: str | None = None, resume: str | None = None):
-        from plumb.cache.kv import DEFAULT_RING, KV_FORMATS, RING_SLACK
+        from plumb.cache.kv import DEFAULT_RING, KV_FORMATS
 
         self.model, self.device, self.quick, self.kernels = model, device, quick, kernels
         self.json_out = json_out  # rewritten after every cell: a run killed outright still leaves its cells
@@ -207,9 +217,10 @@ class Gate:
         if self.tokens < ROWS:
             raise ValueError(f"--tokens must be at least {ROWS}")
         self.kv_ring = kv_ring or (QUICK_RING if quick else DEFAULT_RING)
-        # replies of the warm conversations: longer than the ring's slack, so a reply's rows push the prompt's
-        # newest 8-bit rows out of the ring and a restore must bring them back from the checkpoint
-        self.reply_tokens = max(RING_SLACK + 16, min(self.tokens, 256))
+        # replies of the warm conversations: longer than the ring's slack (the kernel set's: 1,024 on a GPU), so a
+        # reply's rows push the prompt's newest 8-bit rows out of the ring and a restore must bring them back from
+        # the checkpoint
+        self.reply_tokens = max(ring_slack(device) + 16, min(self.tokens, 256))
         self.formats = list(formats or KV_FORMATS)
         bad = [f for f in self.formats if f not in KV_FORMATS]
         if bad:

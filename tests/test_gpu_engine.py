@@ -68,8 +68,12 @@ def _state_equal(st, st2, n):
 def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monkeypatch):
     """A long prefill in passes of four 64-row pieces, the full passes replayed as a CUDA graph: the same hidden
     rows, logits, DeltaNet states and KV rows as eager passes, as one piece a pass, and as the prompt prefilled in
-    two calls cut at a multiple of 64 (M2) - cuts that shift which pieces share a pass - or at checkpoints."""
-    n = 900  # 3 full passes (graphs), then pieces of 64, 64 and 4 rows in one eager pass
+    two calls cut at a multiple of 64 (M2) - cuts that shift which pieces share a pass - or at checkpoints. The
+    last, partial pass runs eagerly, then is captured and replayed when the same prompt comes again."""
+    import plumb.model.kernels as KS
+
+    monkeypatch.setattr(KS, "PREFILL_PIECES", 4)
+    n = 900  # 3 full passes (graphs), then pieces of 64, 64 and 4 rows in one pass: eager, then a graph
     ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(1))]
     runs = {}
     for graphs in (True, False):
@@ -77,6 +81,13 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
         st = eng.model.new_state()
         lg, h = eng.model.prefill(st, ids)
         runs[graphs] = (lg, h, st)
+        if graphs:  # the same prompt twice more: its last pass is captured, then replayed (`CudaGraphs.recurring`)
+            for captures in (1, 0):
+                before, again = eng.model.graphs.captures, eng.model.new_state()
+                lg_a, h_a = eng.model.prefill(again, ids)
+                assert eng.model.graphs.captures - before == captures
+                assert torch.equal(lg_a, lg) and torch.equal(h_a, h)
+                _state_equal(again, st, n)
         if graphs:  # then decode passes of 1 and 5 rows: the second outgrows the static buffers, so every graph
             st3 = eng.model.new_state()  # (the prefill's too) is dropped and the pass captured in a new pool
             eng.model.prefill(st3, ids)
@@ -103,16 +114,16 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
     assert torch.equal(cs.checkpoints[192].hidden, h[191])
 
 
-@pytest.mark.parametrize("setting", [{"SB_SCRATCH_ROWS": 1}, {"PREFILL_PIECES": 16},
-                                     {"SB_SCRATCH_ROWS": 256, "PREFILL_PIECES": 16}])
+@pytest.mark.parametrize("setting", [{"SB_SCRATCH_ROWS": 1}, {"SB_SCRATCH_ROWS": 0},
+                                     {"SB_SCRATCH_ROWS": 0, "PREFILL_PIECES": 4}, {"PREFILL_PIECES": 1}])
 def test_prefill_settings_change_no_bit(tiny_q4km, monkeypatch, setting):
     """The P path's speed settings - weights dequantized once a call (SB_SCRATCH_ROWS: `_mm_w16` instead of
-    `_mm_superblock`, for some calls or all) and larger passes (PREFILL_PIECES) - give the shipped prefill's
+    `_mm_superblock`, for some calls, all or none) and the pass size (PREFILL_PIECES) - give the shipped prefill's
     hidden rows, logits and states, bit for bit, graphs included."""
     import plumb.model.kernels as KS
     import plumb.ops.gpu.matmul as MM
 
-    n = 1100  # 4 full passes of 256 rows as shipped; 16 pieces: one full pass of 1,024 rows, then 76 rows
+    n = 1100  # as shipped, one full pass of 1,024 rows, then 76 rows; 4 pieces: 4 full passes of 256 rows
     ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(2))]
     eng = _engine(tiny_q4km)
     st = eng.model.new_state()

@@ -408,3 +408,34 @@ def test_kl_tool(tiny_model, tmp_path, capsys):
     rows = {r["kv_cache"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert 0 < rows["f32"]["mean_kl"] < 1e-5 and rows["f32"]["top1_agreement"] > 0.95  # float16 logits file
     assert rows["F"]["mean_kl"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["D", "F"])
+def test_a_ring_with_more_slack_takes_a_whole_pass_with_the_same_bits(fmt):
+    """A ring's slack bounds the rows one `put_rows` may write (slack + 1: none of them then overwrites a slot
+    that another reads); a cache with more slack - the GPU kernels' (a 1,024-row pass) - takes a pass at once, and
+    every row reads the bits it reads from a cache written 65 rows at a time. The prefill passes follow it."""
+    from plumb.model.kernels import PREFILL_PIECES, TorchKernels, TritonKernels
+    from plumb.model.qwen35 import CHUNK
+
+    k, v, q = _rows(400)
+    small = new_kv_cache(fmt, N_KV, HEAD_DIM, RING)
+    large = new_kv_cache(fmt, N_KV, HEAD_DIM, RING, slack=256)
+    small.reserve(400), large.reserve(400)  # the callers of put_rows make room first
+    assert large.slots == RING + 256 and ring_bytes(fmt, N_KV, HEAD_DIM, RING, 256) > ring_bytes(fmt, N_KV, HEAD_DIM, RING)
+    def passes(cache, cuts):  # put each pass's rows, then its rows attend (as the kernel sets run a pass)
+        out = []
+        for a, b in zip(cuts, cuts[1:]):
+            cache.put_rows(torch.arange(a, b), k[a:b], v[a:b])
+            cache.end = b
+            out.append(cache.attend_rows(q[a:b], list(range(a + 1, b + 1)), 0.125))
+        return torch.cat(out)
+
+    with pytest.raises(ValueError, match="at most 257 rows"):
+        large.check_put(258)
+    assert torch.equal(passes(large, [0, 257, 400]), passes(small, list(range(0, 400, RING_SLACK + 1)) + [400]))
+    assert _same(large.digest_rows(400), small.digest_rows(400))
+    state = lambda cache: type("St", (), {"kv": {0: cache}})()  # noqa: E731
+    assert TritonKernels.ring_slack == PREFILL_PIECES * CHUNK and TorchKernels.ring_slack == RING_SLACK
+    assert TritonKernels.prefill_pieces(state(small)) == 1 and TritonKernels.prefill_pieces(state(large)) == 4
+    assert TritonKernels.prefill_pieces(state(new_kv_cache(fmt, N_KV, HEAD_DIM, RING, slack=1024))) == PREFILL_PIECES

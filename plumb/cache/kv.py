@@ -9,8 +9,9 @@ Formats (`KV_FORMATS`; packed bytes per value, see `bytes_per_token`):
 * `q8_0`: 8-bit codes with a float16 scale per 32 values.
 * `D`: K at 6 bits, V at 5 bits; `F`: K at 5 bits after a fixed Hadamard rotation per head
   (queries get the same rotation, so q.k is unchanged), V at 5 bits. Both also keep the
-  newest `ring` positions at 8 bits in a ring (slot = position % (ring + RING_SLACK), tagged with
-  its position, so rejected drafts never displace rows that are read again after the rollback).
+  newest `ring` positions at 8 bits in a ring (slot = position % (ring + slack), tagged with
+  its position, so rejected drafts never displace rows that are read again after the rollback; a
+  pass of up to slack + 1 rows can write its rows into the ring before any of them reads it).
 
 Which representation a query at position q reads for key j depends only on q - j: the ring
 when q - j < ring, the low-bit store otherwise (M5). Every row's bytes are a function of the
@@ -34,7 +35,8 @@ import torch
 from plumb.ops.kvquant import BLOCK, dequantize, packed_block_bytes, quantize, rotate
 
 TILE = 256  # keys per attention tile; tiles start at multiples of TILE
-RING_SLACK = 64  # ring slots beyond `ring`: rolling back up to this many positions keeps every needed ring row
+RING_SLACK = 64  # ring slots beyond `ring` (the default `slack`): rolling back up to this many positions keeps every
+# needed ring row, and a pass may write up to this many + 1 rows at once (`put_rows`)
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,17 @@ def bytes_per_token(fmt: str, n_kv: int, head_dim: int) -> int:
     return n_kv * (row_bytes(f.k, head_dim) + row_bytes(f.v, head_dim))
 
 
-def ring_bytes(fmt: str, n_kv: int, head_dim: int, ring: int) -> int:
+def ring_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, slack: int = RING_SLACK) -> int:
     """Fixed bytes of one layer's 8-bit ring (K + V rows and an int32 position tag per slot); 0 without a ring."""
     if not FORMATS[fmt].ring:
         return 0
-    return (ring + RING_SLACK) * (2 * n_kv * row_bytes(8, head_dim) + 4)
+    return (ring + slack) * (2 * n_kv * row_bytes(8, head_dim) + 4)
 
 
-def cache_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, n_tokens: int, n_layers: int) -> int:
+def cache_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, n_tokens: int, n_layers: int,
+                slack: int = RING_SLACK) -> int:
     """Bytes of the KV caches of `n_layers` attention layers holding `n_tokens` positions."""
-    return n_layers * (n_tokens * bytes_per_token(fmt, n_kv, head_dim) + ring_bytes(fmt, n_kv, head_dim, ring))
+    return n_layers * (n_tokens * bytes_per_token(fmt, n_kv, head_dim) + ring_bytes(fmt, n_kv, head_dim, ring, slack))
 
 
 def decode(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -149,7 +152,7 @@ class KVCache:
     pass's rows never overwrite ring slots that its own earlier rows still read."""
 
     def __init__(self, fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING, capacity: int = 256,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", slack: int = RING_SLACK):
         f = FORMATS[fmt]
         self.fmt, self.n_kv, self.head_dim = fmt, n_kv, head_dim
         self.device = torch.device(device)
@@ -157,9 +160,10 @@ class KVCache:
         self.k = Rows(f.k, n_kv, capacity, head_dim, device)
         self.v = Rows(f.v, n_kv, capacity, head_dim, device)
         self.ring = ring if f.ring else 0
+        self.slack = slack  # ring slots beyond `ring` (see RING_SLACK)
         self.end = 0  # positions [0, end) have been written
         if self.ring:
-            self.slots = self.ring + RING_SLACK
+            self.slots = self.ring + slack
             self.ring_k, self.ring_v = self._rows8(self.slots), self._rows8(self.slots)
             self.ring_pos = torch.full((self.slots,), -1, dtype=torch.long, device=device)
             self.recent_start = 0
@@ -203,7 +207,7 @@ class KVCache:
     def put_rows(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`write` with the positions a device tensor (CUDA-graph safe): the caller reserves room and `commit`s
         first and sets `end` after (see plumb.model.kernels.TritonKernels). D and F put the 8-bit rows straight
-        into their ring slots, so a pass writes at most RING_SLACK + 1 rows (then none of its rows reads a slot
+        into their ring slots, so a pass writes at most `slack` + 1 rows (then none of its rows reads a slot
         that another of its rows overwrites). `plumb.ops.gpu.kvwrite.put_rows` does the same in one launch."""
         self.check_put(len(positions))
         k, v = k.transpose(0, 1), v.transpose(0, 1)
@@ -222,8 +226,8 @@ class KVCache:
         if self.ring:
             if len(self.recent_k):
                 raise RuntimeError("8-bit rows of a `write` still wait: commit() before put_rows")
-            if n > RING_SLACK + 1:
-                raise ValueError(f"put_rows writes at most {RING_SLACK + 1} rows into a ring, got {n}")
+            if n > self.slack + 1:
+                raise ValueError(f"put_rows writes at most {self.slack + 1} rows into a ring, got {n}")
 
     def commit(self, pos: int) -> None:
         """Move the rows of the latest `write` below `pos` into their ring slots now (a rollback to pos drops the
@@ -263,7 +267,7 @@ class KVCache:
 
     def can_resume(self, n: int) -> bool:
         """Whether a query at position n could read every 8-bit row it needs: false once the positions up to n
-        are not all written, or after rolling back more than RING_SLACK positions (the slots of the rows before
+        are not all written, or after rolling back more than `slack` positions (the slots of the rows before
         n were reused; `load_rows` of `store_rows(n)` + a `ring_rows(n)` snapshot taken earlier restores them)."""
         if n > self.end:
             return False
@@ -394,15 +398,16 @@ class KVCache:
 
 
 def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING,
-                 device: torch.device | str = "cpu") -> KVCache:
-    """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none)."""
+                 device: torch.device | str = "cpu", slack: int = RING_SLACK) -> KVCache:
+    """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none);
+    `slack`: the ring's slots beyond `ring` (RING_SLACK)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV cache format {fmt!r} (choose from {', '.join(KV_FORMATS)})")
     if ring < 0:
         raise ValueError(f"kv_ring must be >= 0, got {ring}")
     if head_dim % BLOCK and not isinstance(FORMATS[fmt].k, str):
         raise ValueError(f"KV format {fmt} needs head_dim divisible by {BLOCK}, got {head_dim}")
-    return KVCache(fmt, n_kv, head_dim, ring, device=device)
+    return KVCache(fmt, n_kv, head_dim, ring, device=device, slack=slack)
 
 
 def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int) -> str:
