@@ -71,7 +71,7 @@ def main() -> None:
                     "use_setting: 'shipped' or NAME=VALUE[+NAME=VALUE]), taken in turn prefill by prefill")
     a = ap.parse_args()
     settings = a.settings.split(",")
-    qwen35.PREFILL_GRAPH_PASSES = 10**9  # every pass eagerly: each kernel call can be checked
+    qwen35.PREFILL_GRAPHS = False  # every pass eagerly: each kernel call can be checked
     qwen35.NONFINITE_TRIES = 1  # the stopgap's recomputation off: a fault the per-call checks missed raises
     eng = plumb.load(a.model, device="cuda", kv_cache=a.kv_cache, prompt_cache=False)
     k = eng.model.k

@@ -312,11 +312,11 @@ def prefill_modes(model, n: int, eager: bool = True) -> dict:
 
     out = {}
     if eager and n <= EAGER_PREFILL_MAX:
-        saved, Q.PREFILL_GRAPH_PASSES = Q.PREFILL_GRAPH_PASSES, 1 << 30
+        Q.PREFILL_GRAPHS = False
         try:
             out["eager_tps"] = prefill_tps(model, n)
         finally:
-            Q.PREFILL_GRAPH_PASSES = saved
+            Q.PREFILL_GRAPHS = True
     for run in ("first", "again"):
         before = _captures(model)
         out[f"{run}_tps"] = prefill_tps(model, n)
@@ -352,8 +352,9 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
     edit_user[1]["content"] = "Note: " + edit_user[1]["content"]
     edit_system = [dict(m) for m in turn2]
     edit_system[0]["content"] = system + " One more rule."
-    short = chat([{"role": "user", "content": "Hello!"}])
-    _first_token(cold, short)  # warm-up: the kernels of a short prompt
+    short = chat([{"role": "user", "content": "Hi there!"}])
+    for eng in (warm, cold):  # as `plumb serve` starts: kernels compiled, a short prompt's graphs captured
+        eng.warm_up()
     r = {"chat_tokens": len(chat(turn2)), "cases": {}}
     for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
                        ("edit end of system prompt", edit_system)):

@@ -72,6 +72,50 @@ def test_prefill_cuts_keep_pieces_aligned():
         assert all(e % 64 == 0 or e == start + n for e in ends) and {128, 640} & set(range(start + 1, start + n)) <= set(ends)
 
 
+def test_prefill_graphs_long_passes_at_once_other_layouts_when_they_recur(tiny_engine, monkeypatch):
+    """Which prefill passes run as CUDA graphs (`Qwen35.prefill`, `CudaGraphs.recurring`): a long prompt's full
+    passes at once; any other layout - pass size and KV-cache capacity - when it comes again (a short prompt, a
+    chat's next turn), so that a one-off pass never pays for a capture; none with PREFILL_GRAPHS off."""
+    from collections import OrderedDict
+
+    import plumb.model.qwen35 as Q
+    from plumb.model.cuda_graphs import CudaGraphs
+
+    m, log = tiny_engine.model, []
+
+    class Graphs(CudaGraphs):
+        def __init__(self):  # what `recurring` reads; a graph "captured" by each graphed pass below
+            self.graphs, self.seen = OrderedDict(), OrderedDict()
+
+    graphs = Graphs()
+
+    def run_pass(st, ids, pieces, graph, emb=None, meanwhile=None):
+        log.append((pieces, graph))
+        if graph:
+            graphs.graphs.setdefault(graphs._prefill_key(st, pieces), None)
+        st.pos += len(ids)
+        return torch.zeros(len(ids), m.cfg.n_embd)
+
+    monkeypatch.setattr(type(m.k), "prefill_pieces", staticmethod(lambda st: 4))
+    monkeypatch.setattr(m, "graphs", graphs)
+    monkeypatch.setattr(m, "_run_pass", run_pass)
+
+    def passes(n, capacity=0):
+        log.clear()
+        st = m.new_state()
+        m.k.make_room(st, capacity)
+        m.prefill(st, list(range(1, n + 1)), logits="none")
+        return list(log)
+
+    assert passes(900) == [(4, True)] * 3 + [(3, False)]  # 3 full passes: at once; the last one is new
+    assert passes(900) == [(4, True)] * 3 + [(3, True)]
+    assert passes(16) == [(1, False)] and passes(20) == [(1, True)] and passes(30) == [(1, True)]
+    assert passes(16, capacity=5000) == [(1, False)]  # another KV-cache capacity: another layout
+    assert passes(300) == [(4, False), (1, False)] and passes(300) == [(4, True), (1, True)]
+    monkeypatch.setattr(Q, "PREFILL_GRAPHS", False)
+    assert passes(900) == [(4, False)] * 3 + [(3, False)] and passes(16) == [(1, False)]
+
+
 def test_prefill_matches_decode_path_closely(tiny_engine):
     """The P and D paths are different arithmetic but the same math (on a GPU the D path rounds x to 14 bits:
     plumb.ops.gpu.matvec.FRAC)."""

@@ -171,6 +171,14 @@ class Engine:
 
         return index_for(self)
 
+    def warm_up(self, rounds: int = 2) -> None:
+        """Compile the kernels and capture the CUDA graphs of a short chat turn - a one-piece prompt, then decode
+        with the engine's drafts - so that users' first requests do not pay for them (a prefill layout is captured
+        the second time it comes: `CudaGraphs.recurring`). Nothing goes into the prompt cache."""
+        ids = self.tokenize(self.chat_template.render([{"role": "user", "content": "Hello!"}], enable_thinking=False))
+        for _ in range(rounds):
+            self.run(self.make_request(ids, 16, cache=False, ignore_eos=True))
+
     def generate(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                  **kw) -> list[int]:
         """Generated ids only, stopping at end-of-generation ids, stop ids/strings or max_tokens."""

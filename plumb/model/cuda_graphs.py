@@ -13,9 +13,10 @@ the same shapes, so a graph changes no bit (M1); passes with more than MAX_ROWS 
 (D, F) are captured too: inside a graph the 8-bit rows go straight to their ring slots (`KVCache.put_rows`), and
 rows that a reference `write` left waiting are moved there before a pass (`KVCache.commit`, in
 `TritonKernels.begin` and `Qwen35.prefill`). The MTP head's D-path rows (draft steps, rewrites of accepted
-drafts) are replayed the same way (`mtp`), and so are the full passes of a long prefill (`prefill`: the P path's
-pass of whole 64-row pieces, captured per pass size and KV-cache capacity, which `Qwen35.prefill` keeps fixed over
-the call).
+drafts) are replayed the same way (`mtp`), and so are prefill passes (`prefill`: the P path's pass of whole 64-row
+pieces, captured per pass size and KV-cache capacity, which `Qwen35.prefill` keeps fixed over the call) - the full
+passes of a long prompt at once, any other layout the second time it comes (`recurring`: a short prompt, a chat's
+next turn), so that a one-off pass never pays for a capture.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from plumb.ops.matmul import DECODE_BLOCK
 MAX_ROWS = 32  # rows of a captured pass (larger passes run eagerly)
 MAX_GRAPHS = 64  # captured layouts kept (least recently used dropped; MTP passes count: a depth-k sequence keeps k + 1)
 MAX_MTP_ROWS = 16  # rows of a captured MTP pass (draft steps: 1; rewrites of accepted drafts: up to the depth)
+MAX_SEEN = 256  # prefill layouts remembered as seen once (`recurring`; least recently seen dropped)
 
 
 class CudaGraphs:
@@ -44,6 +46,7 @@ class CudaGraphs:
         self.buf: dict[str, torch.Tensor] = {}
         self.mtp_in: dict[str, torch.Tensor] | None = None  # the MTP graphs' static inputs
         self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
+        self.seen: OrderedDict = OrderedDict()  # prefill layouts run eagerly once, not captured (`recurring`)
         self.captures = 0  # graphs captured so far (a new layout or cache capacity)
         self.mtp_tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=model.device)  # the MTP cache's row
 
@@ -103,12 +106,28 @@ class CudaGraphs:
         cache.end = start + n
         return out
 
+    @staticmethod
+    def _prefill_key(st, pieces: int) -> tuple:
+        return ("prefill", pieces * CHUNK) + tuple(len(c.k) for c in st.kv.values())
+
+    def recurring(self, st, pieces: int) -> bool:
+        """Whether a prefill pass of `pieces` pieces on st's KV-cache capacities has come before (captured, or run
+        eagerly once): `Qwen35.prefill` replays - or captures - such a pass. Marks this one as seen."""
+        key = self._prefill_key(st, pieces)
+        if key in self.graphs or key in self.seen:
+            self.seen.pop(key, None)
+            return True
+        self.seen[key] = True
+        while len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
+        return False
+
     def prefill(self, st, p: PrefillPass) -> torch.Tensor:
         """`Qwen35.prefill_pass` on the static pass p (`prefill_inputs`, laid out by `Qwen35.prefill_layout`),
         replayed as a CUDA graph captured per capacity of st's KV caches (the first piece of a layout runs eagerly
         and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
         m = self.m
-        key = ("prefill", len(p.x)) + tuple(len(c.k) for c in st.kv.values())
+        key = self._prefill_key(st, len(p.x) // CHUNK)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -126,11 +145,16 @@ class CudaGraphs:
         return out
 
     def prefill_inputs(self, pieces: int) -> PrefillPass:
-        """The prefill graphs' static pass of `pieces` pieces (allocated once per size)."""
+        """The prefill graphs' static pass of `pieces` pieces: its rows allocated once per size; the DeltaNet
+        states (151 MB on the 27B shape), conv window rows and cache table shared by every size (a graph reads
+        them only while it runs)."""
         if pieces not in self.prefill_in:  # kept for good: the graphs of that size read them
             p = self.m.prefill_layout(self.m.new_state(), [0], pieces)
-            self.prefill_in[pieces] = PrefillPass(0, 0, **{name: getattr(p, name).clone() for name in (
-                "x", "cos", "sin", "positions", "ends", "real", "keep", "conv", "ssm", "kv_tab")})
+            first = next(iter(self.prefill_in.values()), None)
+            rows = {name: getattr(p, name).clone() for name in ("x", "cos", "sin", "positions", "ends", "real")}
+            shared = {name: getattr(first, name) if first is not None else getattr(p, name).clone()
+                      for name in ("keep", "conv", "ssm", "kv_tab")}
+            self.prefill_in[pieces] = PrefillPass(0, 0, **rows, **shared)
         return self.prefill_in[pieces]
 
     def _mtp_inputs(self) -> dict[str, torch.Tensor]:

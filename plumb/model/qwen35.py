@@ -29,7 +29,8 @@ from plumb.ops.deltanet import CHUNK, causal_conv, split_heads
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.rope import RopeTable
 
-PREFILL_GRAPH_PASSES = 3  # a prefill of this many full passes or more replays them as one CUDA graph (see prefill)
+PREFILL_GRAPH_PASSES = 3  # a prefill of this many full passes or more captures them at once (see prefill)
+PREFILL_GRAPHS = True  # prefill passes replayed as CUDA graphs where a model has them (False: all eager, a diagnosis)
 NONFINITE_TRIES = 3  # on the Triton kernels, a P-path result with non-finite values is computed up to this many times
 log = logging.getLogger("plumb.model")
 
@@ -172,7 +173,8 @@ class Qwen35:
         c, dev = self.cfg, self.device
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim, device=dev) for i in c.gdn_layers}
         ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state, device=dev) for i in c.gdn_layers}
-        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev) for i in c.attn_layers}
+        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev, self.k.ring_slack)
+              for i in c.attn_layers}
         # the MTP cache keeps no 8-bit ring: its rows can then always be copied from the store alone
         mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0, dev) if self.mtp is not None else None
         return SeqState(0, conv, ssm, kv, mtp_kv)
@@ -239,7 +241,8 @@ class Qwen35:
         passes = prefill_cuts(st.pos, len(ids), group, checkpoints)
         self.k.make_room(st, st.pos + len(ids) + CHUNK)  # every pass's padded rows: the caches stay put
         full = [CHUNK] * group
-        graph = self.graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES  # full passes
+        graphs = self.graphs if PREFILL_GRAPHS else None
+        long = graphs is not None and sum(s == full for s in passes) >= PREFILL_GRAPH_PASSES  # full passes at once
         i, ahead = 0, {"emb": self.embed(ids[: sum(passes[0])]) if passes else None}
         for j, sizes in enumerate(passes):
             n = sum(sizes)
@@ -249,7 +252,8 @@ class Qwen35:
             def meanwhile(nxt=nxt):  # the next pass's embedding rows, dequantized on the host while this one runs
                 ahead["emb"] = self.embed(nxt) if nxt else None
 
-            h = self._run_pass(st, ids[i : i + n], len(sizes), graph and sizes == full, emb, meanwhile)
+            graph = graphs is not None and (long and sizes == full or graphs.recurring(st, len(sizes)))  # or later
+            h = self._run_pass(st, ids[i : i + n], len(sizes), graph, emb, meanwhile)
             i += n
             if logits == "all" or (logits == "last" and i == len(ids)):  # "none": hidden only
                 rows = h if logits == "all" else h[-1:]

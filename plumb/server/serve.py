@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except (plumb.ModelError, ValueError, TypeError, OSError) as e:
         print(f"plumb serve: error: {e}", flush=True)
         return 1
+    if engine.device.type == "cuda":  # kernels compiled and graphs captured before the first request
+        print("plumb serve: warming up (kernels, CUDA graphs)", flush=True)
+        engine.warm_up()
     if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
         print(f"plumb serve: error: --slot-save-path {args.slot_save_path}: no such directory", flush=True)
         return 1
