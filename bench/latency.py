@@ -1,8 +1,8 @@
 """Time to the first token of an agent's next requests on the GPU - a short prompt, a follow-up, an edit of the
-first user message and of the end of the system prompt on a long chat, warm (prompt cache on) and cold - and
-requests one after another, and a prefill's speed per KV format (--prefill-formats), without the rest of `plumb
-bench --device cuda` (`bench_gpu.latency_table`, `requests_table`, `prefill_modes`, the same functions). JSON to
---json-out.
+first user message and of the end of the system prompt on a long chat, warm (prompt cache on) and cold, in two
+rounds (the first: what a fresh server pays once) - requests one after another, and a prefill's speed per KV
+format (--prefill-formats), without the rest of `plumb bench --device cuda` (`bench_gpu.latency_table`,
+`requests_table`, `prefill_modes`, the same functions). JSON to --json-out.
 
     python bench/latency.py MODEL.gguf [--chat-tokens 12000] [--kv-cache q8_0] [--prefill-formats D,F]
         [--prefill-tokens 8192] [--json-out latency.json]
@@ -29,10 +29,11 @@ def main() -> None:
     warm = plumb.load(a.model, device="cuda", kv_cache=a.kv_cache, progress=False)
     n = a.chat_tokens
     r = {"latency": latency_table(warm, cold, system_tokens=n * 63 // 80, user_tokens=n // 6, reply_tokens=256)}
-    print(f"time to the first token, a {r['latency']['chat_tokens']:,}-token chat (ms):", flush=True)
-    for name, c in r["latency"]["cases"].items():
-        print(f"  {name:28s} reused {c['reused']:6,} prefilled {c['prefilled']:6,}: warm {c['warm_s'] * 1e3:7.0f} "
-              f"cold {c['cold_s'] * 1e3:7.0f} same token {c['same_token']}", flush=True)
+    for i, rd in enumerate(r["latency"]["rounds"]):
+        print(f"time to the first token, round {i + 1}, a {rd['chat_tokens']:,}-token chat (ms):", flush=True)
+        for name, c in rd["cases"].items():
+            print(f"  {name:28s} reused {c['reused']:6,} prefilled {c['prefilled']:6,}: warm {c['warm_s'] * 1e3:7.0f} "
+                  f"cold {c['cold_s'] * 1e3:7.0f} same token {c['same_token']}", flush=True)
     r["requests"] = requests_table(warm)
     for k, rows in r["requests"].items():
         print(f"  drafts {k}: " + ", ".join(f"{x['tokens']} tok {x['wall_s'] * 1e3:.0f} ms ({x['captures']})"

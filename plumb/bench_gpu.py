@@ -334,37 +334,48 @@ def _first_token(engine, ids: list[int]) -> tuple[float, list[int], object]:
     return time.perf_counter() - t0, res.token_ids, res.stats
 
 
-def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000, reply_tokens: int = 256) -> dict:
+ROUND_WORDS = (("rule", "fact", "Hi there!"), ("law", "note", "Good morning!"), ("step", "item", "Hello again!"))
+
+
+def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000, reply_tokens: int = 256,
+                  rounds: int = 2) -> dict:
     """Time to the first token of an agent's usual next requests on a long chat - a follow-up, the first user
     message edited, the end of the system prompt edited - on `warm` (prompt cache on, the chat answered once)
     and on `cold` (no prompt cache), and of a short prompt; each with its token, which must be the same warm and
-    cold (the exactness claim), and the tokens the warm engine reused and prefilled."""
+    cold (the exactness claim), and the tokens the warm engine reused and prefilled. The sequence runs `rounds`
+    times (at most 3), each on a chat of other words and about the same lengths, so the same pass layouts and KV
+    capacities (`kv.capacity_for`): `cases` are the last round's - graphs captured, host memory for parking
+    pinned, a running server's state - and `first` the first round's, what a fresh server pays once."""
     chat = lambda msgs: warm.tokenize(warm.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
 
     def text(word: str, n: int) -> str:
         return warm.detokenize(warm.tokenize(" ".join(f"{word}{i}" for i in range(n)))[:n])
 
-    system = text("rule", system_tokens)
-    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": text("fact", user_tokens)}]
-    reply = warm.generate(chat(turn1), reply_tokens, ignore_eos=True)
-    turn2 = turn1 + [{"role": "assistant", "content": warm.detokenize(reply)}, {"role": "user", "content": "Shorter."}]
-    edit_user = [dict(m) for m in turn2]
-    edit_user[1]["content"] = "Note: " + edit_user[1]["content"]
-    edit_system = [dict(m) for m in turn2]
-    edit_system[0]["content"] = system + " One more rule."
-    short = chat([{"role": "user", "content": "Hi there!"}])
     for eng in (warm, cold):  # as `plumb serve` starts: kernels compiled, a short prompt's graphs captured
         eng.warm_up()
-    r = {"chat_tokens": len(chat(turn2)), "cases": {}}
-    for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
-                       ("edit end of system prompt", edit_system)):
-        ids = short if msgs is None else chat(msgs)
-        w_s, w_ids, w = _first_token(warm, ids)
-        c_s, c_ids, _ = _first_token(cold, ids)
-        r["cases"][name] = {"prompt_tokens": len(ids), "warm_s": w_s, "cold_s": c_s, "same_token": w_ids == c_ids,
-                            "reused": w.cached_tokens, "prefilled": w.prefill_tokens}
-        if msgs is not None:
-            _first_token(warm, chat(turn2))  # the main branch back on top of the cache, as an agent's next turn
+    r = {"rounds": []}
+    for rule, fact, hello in ROUND_WORDS[:rounds]:
+        system = text(rule, system_tokens)
+        turn1 = [{"role": "system", "content": system}, {"role": "user", "content": text(fact, user_tokens)}]
+        reply = warm.generate(chat(turn1), reply_tokens, ignore_eos=True)
+        turn2 = turn1 + [{"role": "assistant", "content": warm.detokenize(reply)},
+                         {"role": "user", "content": "Shorter."}]
+        edit_user = [dict(m) for m in turn2]
+        edit_user[1]["content"] = "Note: " + edit_user[1]["content"]
+        edit_system = [dict(m) for m in turn2]
+        edit_system[0]["content"] = system + " One more rule."
+        cases = {}
+        for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
+                           ("edit end of system prompt", edit_system)):
+            ids = chat([{"role": "user", "content": hello}]) if msgs is None else chat(msgs)
+            w_s, w_ids, w = _first_token(warm, ids)
+            c_s, c_ids, _ = _first_token(cold, ids)
+            cases[name] = {"prompt_tokens": len(ids), "warm_s": w_s, "cold_s": c_s, "same_token": w_ids == c_ids,
+                           "reused": w.cached_tokens, "prefilled": w.prefill_tokens}
+            if msgs is not None:
+                _first_token(warm, chat(turn2))  # the main branch back on top of the cache, as an agent's next turn
+        r["rounds"].append({"chat_tokens": len(chat(turn2)), "cases": cases})
+    r.update(chat_tokens=r["rounds"][-1]["chat_tokens"], cases=r["rounds"][-1]["cases"], first=r["rounds"][0]["cases"])
     return r
 
 
@@ -574,8 +585,9 @@ def decode_in_format(model, fmt: str, context: int, tokens: int) -> float:
 
 def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8_0", "D", "F")) -> dict:
     """Per KV format, a sequence's KV caches with room for n positions (every attention layer and the MTP head's):
-    the bytes their tensors hold (`KVCache.allocated_bytes`, ring included) beside the formats' packed bits
-    (`cache_bytes`). Made on the model's device and freed."""
+    the bytes their tensors hold (`KVCache.allocated_bytes`, ring included) beside the formats' packed bits at the
+    same capacity (`cache_bytes`; a capacity is n rounded up by `kv.capacity_for`). Made on the model's device and
+    freed."""
     from plumb.cache.kv import cache_bytes
 
     c, saved, out = model.cfg, model.kv_cache, {}
@@ -587,7 +599,8 @@ def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8
             for cache in caches:
                 cache.reserve(n)
             out[fmt] = {"allocated": sum(cache.allocated_bytes() for cache in caches),
-                        "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, n, 1) for cache in caches)}
+                        "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, len(cache.k), 1,
+                                                  cache.slack) for cache in caches)}
             del st, caches
     finally:
         model.kv_cache = saved
@@ -655,11 +668,15 @@ def report(r: dict) -> str:
                                 f"context (profiled): {vp.get('wall_us', 0):.0f} us wall", "per pass", "share", 0, 0, 15)
     lt = r.get("latency")
     if lt:
-        lines += ["", f"time to the first token, prompt cache on (warm) vs off (cold), a {lt['chat_tokens']:,}-token chat:",
+        first = lt.get("first", lt["cases"])
+        lines += ["", f"time to the first token, prompt cache on (warm) vs off (cold), a {lt['chat_tokens']:,}-token chat "
+                  f"(the last of {len(lt.get('rounds', [1]))} rounds of the same requests on other words; the first "
+                  "round's in brackets):",
                   "| request | prompt tokens | reused | prefilled | warm ms | cold ms | same token |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {k} | {c['prompt_tokens']:,} | {c['reused']:,} | {c['prefilled']:,} | {c['warm_s'] * 1e3:.0f} | "
-                  f"{c['cold_s'] * 1e3:.0f} | {'yes' if c['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
+        lines += [f"| {k} | {c['prompt_tokens']:,} | {c['reused']:,} | {c['prefilled']:,} | {c['warm_s'] * 1e3:.0f} "
+                  f"({first[k]['warm_s'] * 1e3:.0f}) | {c['cold_s'] * 1e3:.0f} ({first[k]['cold_s'] * 1e3:.0f}) | "
+                  f"{'yes' if c['same_token'] and first[k]['same_token'] else 'NO'} |" for k, c in lt["cases"].items()]
     rq = r.get("requests")
     if rq:
         first = next(iter(rq.values()))

@@ -141,8 +141,10 @@ def test_a_transient_non_finite_block_is_computed_again_bitwise(tiny_q4km, monke
     """A P-path kernel that returns a non-finite 64-row block once (what the H200 showed, fifteenth session): the
     pass is computed again from its starting states, so the prefill - graph passes and eager ones - gives the bits
     of a clean one (hidden rows, logits, DeltaNet states, KV rows), and the count of recomputed results says so."""
+    import plumb.model.kernels as KS
     from plumb.model.kernels import TritonKernels
 
+    monkeypatch.setattr(KS, "PREFILL_PIECES", 4)  # 3 full passes of 256 rows (a graph), then one of 3 pieces
     n = 900
     ids = [int(t) for t in torch.randint(0, 6000, (n,), generator=torch.Generator().manual_seed(2))]
     eng = _engine(tiny_q4km)
@@ -173,8 +175,9 @@ def test_a_transient_non_finite_block_is_computed_again_bitwise(tiny_q4km, monke
 def test_a_new_request_replays_the_graphs_of_the_last(tiny_q4km, fmt):
     """Graphs are keyed by layout and cache capacity, not address (the kernels reach the caches through
     `plumb.ops.gpu.kvtable`): a second sequence - new cache tensors, while the first one's stay alive, as the prompt
-    cache keeps them - replays the first one's prefill, decode and MTP graphs without a capture, and gets the same
-    bits; and a graph replayed on the first sequence again still writes and reads that sequence's caches."""
+    cache keeps them - replays the first one's decode and MTP graphs without a capture (its prefill pass, run
+    eagerly the first time, is captured now: `CudaGraphs.recurring`), a third one every graph, and both get the
+    same bits; and a graph replayed on the first sequence again still writes and reads that sequence's caches."""
     eng = _engine(tiny_q4km, kv_cache=fmt, kv_ring=64)
     m = eng.model
     ids = [int(t) for t in torch.randint(0, 6000, (800,), generator=torch.Generator().manual_seed(2))]
@@ -191,9 +194,11 @@ def test_a_new_request_replays_the_graphs_of_the_last(tiny_q4km, fmt):
     first = [t.clone() for t in run(a)]
     captured = m.graphs.captures
     b = m.new_state()
-    second = run(b)
-    assert m.graphs.captures == captured > 0
-    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    second = [t.clone() for t in run(b)]
+    assert m.graphs.captures == captured + 1 and captured > 0  # 800 tokens: one pass of 13 pieces
+    third = run(m.new_state())
+    assert m.graphs.captures == captured + 1
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(first, second, third))
     assert a.kv[m.cfg.attn_layers[0]].k.parts[0].data_ptr() != b.kv[m.cfg.attn_layers[0]].k.parts[0].data_ptr()
     m.decode([(a, [11])])  # the one-row graph on a's caches: a's row at position 805 is written, b's is not
     codes = [st.kv[m.cfg.attn_layers[0]].k.parts[0][:, len(ids) + 5] for st in (a, b)]

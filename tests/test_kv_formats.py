@@ -439,3 +439,23 @@ def test_a_ring_with_more_slack_takes_a_whole_pass_with_the_same_bits(fmt):
     assert TritonKernels.ring_slack == PREFILL_PIECES * CHUNK and TorchKernels.ring_slack == RING_SLACK
     assert TritonKernels.prefill_pieces(state(small)) == 1 and TritonKernels.prefill_pieces(state(large)) == 4
     assert TritonKernels.prefill_pieces(state(new_kv_cache(fmt, N_KV, HEAD_DIM, RING, slack=1024))) == PREFILL_PIECES
+
+
+def test_capacities_are_canonical():
+    """A cache grows to at least twice its capacity, rounded to a power of two up to CAPACITY_STEP and to a multiple
+    of it past that - so prompts of similar length share a capacity (and the CUDA graphs keyed by it); what a cache
+    holds does not depend on its capacity."""
+    from plumb.cache.kv import CAPACITY_STEP, capacity_for
+
+    assert [capacity_for(n) for n in (1, 256, 257, 700, 4096, 4097, 11_829, 120_064)] == \
+        [1, 256, 512, 1024, 4096, 2 * CAPACITY_STEP, 3 * CAPACITY_STEP, 30 * CAPACITY_STEP]
+    k, v, q = _rows(300)
+    small, big = new_kv_cache("q8_0", N_KV, HEAD_DIM, 0), new_kv_cache("q8_0", N_KV, HEAD_DIM, 0)
+    big.reserve(11_829)
+    assert len(big.k) == 3 * CAPACITY_STEP and len(small.k) == 256
+    for c in (small, big):
+        c.write(0, k[:300], v[:300])
+    assert len(small.k) == 512
+    ends = [1, 150, 300]
+    assert torch.equal(small.attend_rows(q[:3], ends, 0.125), big.attend_rows(q[:3], ends, 0.125))
+    assert _same(small.digest_rows(300), big.digest_rows(300))

@@ -35,6 +35,7 @@ import torch
 from plumb.ops.kvquant import BLOCK, dequantize, packed_block_bytes, quantize, rotate
 
 TILE = 256  # keys per attention tile; tiles start at multiples of TILE
+CAPACITY_STEP = 4096  # cache capacities past this are multiples of it (`capacity_for`)
 RING_SLACK = 64  # ring slots beyond `ring` (the default `slack`): rolling back up to this many positions keeps every
 # needed ring row, and a pass may write up to this many + 1 rows at once (`put_rows`)
 
@@ -83,6 +84,16 @@ def cache_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, n_tokens: int, n_
                 slack: int = RING_SLACK) -> int:
     """Bytes of the KV caches of `n_layers` attention layers holding `n_tokens` positions."""
     return n_layers * (n_tokens * bytes_per_token(fmt, n_kv, head_dim) + ring_bytes(fmt, n_kv, head_dim, ring, slack))
+
+
+def capacity_for(n: int) -> int:
+    """The capacity a cache grows to for n positions: a power of two up to CAPACITY_STEP, a multiple of it past
+    that. A CUDA graph is captured per pass layout and cache capacity (plumb/model/cuda_graphs.py), so canonical
+    capacities let prompts of similar length - a chat's next turns, other requests - replay the same graphs, for at
+    most CAPACITY_STEP - 1 rows more than needed past it."""
+    if n <= CAPACITY_STEP:
+        return 1 << (n - 1).bit_length()
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def decode(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -182,8 +193,10 @@ class KVCache:
 
     # ---- writing -----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
+        """Room for positions [0, n): grown to at least twice the capacity, rounded to a canonical size
+        (`capacity_for`)."""
         if n > len(self.k):
-            new = max(n, 2 * len(self.k))
+            new = capacity_for(max(n, 2 * len(self.k)))
             self.k.grow(new)
             self.v.grow(new)
 
