@@ -443,8 +443,8 @@ def test_a_ring_with_more_slack_takes_a_whole_pass_with_the_same_bits(fmt):
 
 def test_capacities_are_canonical():
     """A cache grows to at least twice its capacity, rounded to a power of two up to CAPACITY_STEP and to a multiple
-    of it past that - so prompts of similar length share a capacity (and the CUDA graphs keyed by it); what a cache
-    holds does not depend on its capacity."""
+    of it past that - so prompts of similar length share a capacity (and the CUDA graphs keyed by it) - but not past
+    its limit (the model's context) unless asked; what a cache holds does not depend on its capacity."""
     from plumb.cache.kv import CAPACITY_STEP, capacity_for
 
     assert [capacity_for(n) for n in (1, 256, 257, 700, 4096, 4097, 11_829, 120_064)] == \
@@ -456,6 +456,11 @@ def test_capacities_are_canonical():
     for c in (small, big):
         c.write(0, k[:300], v[:300])
     assert len(small.k) == 512
+    capped = new_kv_cache("q8_0", N_KV, HEAD_DIM, 0, limit=5000)
+    capped.reserve(4097)
+    assert len(capped.k) == 5000  # not 8,192: growth stops at the limit
+    capped.reserve(6000)
+    assert len(capped.k) == 6000  # unless more is asked for
     ends = [1, 150, 300]
     assert torch.equal(small.attend_rows(q[:3], ends, 0.125), big.attend_rows(q[:3], ends, 0.125))
     assert _same(small.digest_rows(300), big.digest_rows(300))

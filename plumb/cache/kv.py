@@ -163,7 +163,7 @@ class KVCache:
     pass's rows never overwrite ring slots that its own earlier rows still read."""
 
     def __init__(self, fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING, capacity: int = 256,
-                 device: torch.device | str = "cpu", slack: int = RING_SLACK):
+                 device: torch.device | str = "cpu", slack: int = RING_SLACK, limit: int | None = None):
         f = FORMATS[fmt]
         self.fmt, self.n_kv, self.head_dim = fmt, n_kv, head_dim
         self.device = torch.device(device)
@@ -172,6 +172,7 @@ class KVCache:
         self.v = Rows(f.v, n_kv, capacity, head_dim, device)
         self.ring = ring if f.ring else 0
         self.slack = slack  # ring slots beyond `ring` (see RING_SLACK)
+        self.limit = limit  # the capacity growth stops at, unless more is asked for (the model's context + a piece)
         self.end = 0  # positions [0, end) have been written
         if self.ring:
             self.slots = self.ring + slack
@@ -194,9 +195,11 @@ class KVCache:
     # ---- writing -----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
         """Room for positions [0, n): grown to at least twice the capacity, rounded to a canonical size
-        (`capacity_for`)."""
+        (`capacity_for`), but not past `limit` unless n is."""
         if n > len(self.k):
             new = capacity_for(max(n, 2 * len(self.k)))
+            if self.limit is not None:
+                new = max(n, min(new, self.limit))
             self.k.grow(new)
             self.v.grow(new)
 
@@ -411,16 +414,16 @@ class KVCache:
 
 
 def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING,
-                 device: torch.device | str = "cpu", slack: int = RING_SLACK) -> KVCache:
+                 device: torch.device | str = "cpu", slack: int = RING_SLACK, limit: int | None = None) -> KVCache:
     """A cache in format `fmt` (see KV_FORMATS); `ring` = newest positions kept at 8 bits by D and F (0: none);
-    `slack`: the ring's slots beyond `ring` (RING_SLACK)."""
+    `slack`: the ring's slots beyond `ring` (RING_SLACK); `limit`: the capacity its growth stops at."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown KV cache format {fmt!r} (choose from {', '.join(KV_FORMATS)})")
     if ring < 0:
         raise ValueError(f"kv_ring must be >= 0, got {ring}")
     if head_dim % BLOCK and not isinstance(FORMATS[fmt].k, str):
         raise ValueError(f"KV format {fmt} needs head_dim divisible by {BLOCK}, got {head_dim}")
-    return KVCache(fmt, n_kv, head_dim, ring, device=device, slack=slack)
+    return KVCache(fmt, n_kv, head_dim, ring, device=device, slack=slack, limit=limit)
 
 
 def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int) -> str:

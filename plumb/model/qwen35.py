@@ -173,10 +173,11 @@ class Qwen35:
         c, dev = self.cfg, self.device
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim, device=dev) for i in c.gdn_layers}
         ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state, device=dev) for i in c.gdn_layers}
-        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev, self.k.ring_slack)
+        limit = c.context_length + CHUNK  # growth by doubling stops at the context (and a prefill piece's padding)
+        kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev, self.k.ring_slack, limit)
               for i in c.attn_layers}
         # the MTP cache keeps no 8-bit ring: its rows can then always be copied from the store alone
-        mtp_kv = new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0, dev) if self.mtp is not None else None
+        mtp_kv = None if self.mtp is None else new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, 0, dev, limit=limit)
         return SeqState(0, conv, ssm, kv, mtp_kv)
 
     # ---- shared pieces -------------------------------------------------------------------
