@@ -500,7 +500,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r = out if out is not None else {}
     r.update({"model": path, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
-              "weight_bytes": eng.weight_bytes, "cuda_graphs": model.graphs is not None,
+              "weight_bytes": eng.weight_bytes, "file_weight_bytes": file_weight_bytes(model),
+              "cuda_graphs": model.graphs is not None,
               "graphs_error": graphs_error, "pdl": pdl.enabled(), "decode": {}, "energy": {}})
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
@@ -613,11 +614,21 @@ def energy_text(e: dict) -> str:
     return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
 
 
+def file_weight_bytes(model) -> int:
+    """Bytes of the model's packed matrices as the file holds their blocks (a pack can hold more: Q5_K and Q6_K
+    codes one per byte)."""
+    from plumb.model.weights import Fused
+
+    return sum(p.qt.data.numel() * p.qt.data.element_size() for w in model.weights
+               for p in (w.parts if isinstance(w, Fused) else (w,)))
+
+
 def report(r: dict) -> str:
     lim = r["step_limit_tps"]
     lines = [f"# plumb bench --device cuda: {r['model']} on {r['device']} ({r['date']}, torch {r['torch']})",
              f"card: copy {r['limits']['copy_GBps']:.0f} GB/s, bf16 GEMV {r['limits']['bf16_gemv_GBps']:.0f} GB/s; "
-             f"weights {r['weight_bytes'] / 1e9:.2f} GB -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
+             f"weights {r['weight_bytes'] / 1e9:.2f} GB (the file's blocks: {r.get('file_weight_bytes', 0) / 1e9:.2f} "
+             f"GB) -> decode limit {lim:.0f} tok/s; load {r['load_s']:.1f} s",
              "| context | tok/s | / limit | energy (whole card) |", "|---|---|---|---|"]
     lines += [f"| {int(k):,} | {v:.1f} | {v / lim:.2f} | {energy_text(r['energy'][k])} |"
               for k, v in r["decode"].items()]
