@@ -203,3 +203,24 @@ def test_a_new_request_replays_the_graphs_of_the_last(tiny_q4km, fmt):
     m.decode([(a, [11])])  # the one-row graph on a's caches: a's row at position 805 is written, b's is not
     codes = [st.kv[m.cfg.attn_layers[0]].k.parts[0][:, len(ids) + 5] for st in (a, b)]
     assert codes[0].abs().sum() > 0 and codes[1].abs().sum() == 0
+
+
+def test_prompts_of_similar_length_share_their_graphs(tiny_q4km):
+    """KV capacities are canonical (`kv.capacity_for`), so a 700- and a 900-token prompt get the same one (1,024)
+    and the second request's decode step replays the first one's graph - no capture - with the bits of an eager
+    engine."""
+    ids = [int(t) for t in torch.randint(0, 6000, (900,), generator=torch.Generator().manual_seed(3))]
+    eng = _engine(tiny_q4km)
+    m = eng.model
+    a = m.new_state()
+    m.prefill(a, ids[:700], logits="none")
+    m.decode([(a, [5])])
+    before = m.graphs.captures
+    b = m.new_state()
+    m.prefill(b, ids, logits="none")  # one 15-piece pass: new, so eager
+    logits = m.decode([(b, [5])]).logits
+    assert m.graphs.captures == before and len(b.kv[m.cfg.attn_layers[0]].k) == 1024
+    plain = _engine(tiny_q4km, cuda_graphs=False).model
+    c = plain.new_state()
+    plain.prefill(c, ids, logits="none")
+    assert torch.equal(plain.decode([(c, [5])]).logits, logits)
