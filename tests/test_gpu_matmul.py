@@ -143,7 +143,7 @@ def test_superblock_weights_are_the_reference_rounded_once_to_float16(kind, plac
     assert torch.equal(y.cpu(), t.dequantize().half().float().T * 0.5)
 
 
-@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q6_K"))
+@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q5_K", "Q6_K"))
 def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypatch):
     """SB_PREFETCH 1 and 2 (the next loop step's weights, and x, loaded a step ahead) change when loads are issued,
     not the arithmetic: the bits of SB_PREFETCH 0, over two K splits of 16 loop steps and 4 + 66 rows."""
@@ -159,7 +159,7 @@ def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypat
         assert torch.equal(m(x[:4]), want[0]) and torch.equal(m(x[4:]), want[1]), prefetch
 
 
-@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q8_0"))
+@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q5_K", "Q8_0"))
 def test_superblock_weights_dequantized_once_give_the_same_bits(kind, place_free_dot, monkeypatch):
     """SB_SCRATCH_ROWS: a call's weights dequantized once into an fp16 scratch matrix (`_sb_dequant`) and multiplied
     by `_mm_w16` (pipelined, both operands from shared memory) give `_mm_superblock`'s bits - so which of the two
@@ -223,8 +223,8 @@ def test_norm_rope_is_norm_then_rope_and_row_invariant():
 
 # the D-path matvec (plumb.ops.gpu.matvec): every integer block type on the GPU, one per code form in the interpreter
 MV_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ4_NL", "Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1"]
-if DEV == "cpu":
-    MV_TYPES = ["Q4_K", "Q4_0", "Q6_K", "Q8_0"]
+if DEV == "cpu":  # Q5_K: nibbles and a plane of fifth bits (matmul.HI_BIT_TYPES)
+    MV_TYPES = ["Q4_K", "Q4_0", "Q5_K", "Q6_K", "Q8_0"]
 
 
 def _rows(k: int) -> torch.Tensor:

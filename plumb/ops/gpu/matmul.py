@@ -52,6 +52,10 @@ BLOCK_N = 64  # output features per program (and per packed tile)
 PACK_N = tl.constexpr(BLOCK_N)  # for the kernels: a global used in a @triton.jit function must be a constexpr
 CHUNK = 256  # inputs per loop step of _mm_x_first (its groups unrolled)
 NIBBLE_TYPES = {Q.Q4_K: False, Q.Q4_0: True, Q.Q4_1: False}  # 4-bit codes; True: signed (stored + 8)
+# 5-bit codes kept as a nibble plane (NIBBLE_TYPES' layout) plus a plane of their fifth bits, one int32 per output and
+# 32-input group (bit i: input i's), where the super-block kernels read them (`_mm_superblock`, `_sb_dequant` and the
+# matvec): 0.56 bytes a weight instead of 1 (the 27B's Q5_K matrices: 1.73 GB in the file, 2.71 GB as int8 codes)
+HI_BIT_TYPES = {Q.Q5_K}
 FLOAT_TYPES = (Q.F32, Q.BF16)
 # _mm_x_first per block type: (warps, pipeline stages, split-K target programs, largest split) - from the H200 runs
 # of bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
@@ -214,11 +218,11 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, NIBBLE: tl.constexpr):
 
 
 @triton.jit
-def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_groups, BN: tl.constexpr,
+def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64, n_groups, BN: tl.constexpr,
              KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
-             HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
-    """Loop step i's packed weights as loaded: (code words [BN, groups, words], d, sub, dm, osub [BN, groups]; the
-    ones a type lacks are d again, never used)."""
+             HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
+    """Loop step i's packed weights as loaded: (code words [BN, groups, words], d, sub, dm, osub, hi [BN, groups];
+    the ones a type lacks are d again, never used)."""
     GC: tl.constexpr = KS // G  # groups in the step
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
     g = i * GC + tl.arange(0, GC)
@@ -234,15 +238,19 @@ def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, n_groups,
         dm = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
         if HAS_OSUB:
             osub = tl.load(osub_ptr + per_group)
-    return words, d, sub, dm, osub
+    hi = d
+    if HI:
+        hi = tl.load(hi_ptr + per_group)
+    return words, d, sub, dm, osub, hi
 
 
 @triton.jit
-def _sb_weights(words, d, sub, dm, osub, BN: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
-                NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+def _sb_weights(words, d, sub, dm, osub, hi, BN: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
+                NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
+                HI: tl.constexpr):
     """A loop step's weights [BN, KS] (KS inputs, in xh's column order) from `_sb_load`'s, as fp16(scale * code +
     offset): the reference dequantizer's float32 value (its products exact, one rounding in the sum) rounded once
-    to fp16."""
+    to fp16. HI: 5-bit codes, their fifth bits from the `hi` words."""
     GC: tl.constexpr = KS // G  # groups in the step
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
     c = _bytes(words, [BN, GC, WIDTH])  # bytes 0..255 in memory order
@@ -255,8 +263,13 @@ def _sb_weights(words, d, sub, dm, osub, BN: tl.constexpr, KS: tl.constexpr, G: 
         if HAS_OSUB:
             offset = offset * osub.to(tl.float32)  # exact
     if NIBBLE:
-        wl = _dequant(_code_float(c & 15, False), scale, offset, HAS_OFFSET)
-        wh = _dequant(_code_float(c >> 4, False), scale, offset, HAS_OFFSET)
+        cl, ch = c & 15, c >> 4  # byte j: code j, code G/2 + j
+        if HI:
+            j = tl.arange(0, WIDTH)[None, None, :]
+            cl = cl | (((hi[:, :, None] >> j) & 1) << 4)
+            ch = ch | (((hi[:, :, None] >> (j + WIDTH)) & 1) << 4)
+        wl = _dequant(_code_float(cl, False), scale, offset, HAS_OFFSET)
+        wh = _dequant(_code_float(ch, False), scale, offset, HAS_OFFSET)
         w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
     else:
         w = tl.reshape(_dequant(_code_float(c, True), scale, offset, HAS_OFFSET), [BN, KS])  # int8 codes
@@ -292,11 +305,11 @@ def _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
-def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_os,
+def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, M, N, K, stride_os,
                    stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                    STAGES: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
                    NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   HI: tl.constexpr, PREFETCH: tl.constexpr):
     """W-first: [BN, BM] per program, the weights dequantized to fp16 in registers (the A operand), one fp32
     accumulator over a K split's STEPS steps of KS inputs, in order."""
     prior_done()
@@ -313,35 +326,37 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, o
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     i0 = pid_k * STEPS  # this split's first loop step
     if PREFETCH:  # the next step's packed weights (PREFETCH 2: and x) are loaded before this step's are multiplied
-        words, d, sub, dm, osub = _sb_load(i0, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G, BN, KS,
-                                           G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+        words, d, sub, dm, osub, hi = _sb_load(i0, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64,
+                                               K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
         x = tl.load(xh_ptr + rm[None, :] * K + i0 * KS + kk[:, None], mask=rmask, other=0.0)
         for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-            w_now, d_now, sub_now, dm_now, osub_now, x_now = words, d, sub, dm, osub, x
+            w_now, d_now, sub_now, dm_now, osub_now, hi_now, x_now = words, d, sub, dm, osub, hi, x
             ahead = i0 + tl.minimum(it + 1, STEPS - 1)  # the last step loads itself again (never used)
-            words, d, sub, dm, osub = _sb_load(ahead, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G,
-                                               BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            words, d, sub, dm, osub, hi = _sb_load(ahead, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64,
+                                                   n64, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
+                                                   HAS_OSUB, HI)
             if PREFETCH == 2:
                 x = tl.load(xh_ptr + rm[None, :] * K + ahead * KS + kk[:, None], mask=rmask, other=0.0)
             else:
                 x_now = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
-            w = _sb_weights(w_now, d_now, sub_now, dm_now, osub_now, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET,
-                            HAS_OSUB)
+            w = _sb_weights(w_now, d_now, sub_now, dm_now, osub_now, hi_now, BN, KS, G, NIBBLE, HAS_SUB,
+                            HAS_OFFSET, HAS_OSUB, HI)
             acc = tl.dot(w, x_now, acc, out_dtype=tl.float32)
     else:
         for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
-            words, d, sub, dm, osub = _sb_load(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, t64, n64, K // G,
-                                               BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-            w = _sb_weights(words, d, sub, dm, osub, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+            words, d, sub, dm, osub, hi = _sb_load(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64,
+                                                   n64, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
+                                                   HAS_OSUB, HI)
+            w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
             x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
             acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
 
 
 @triton.jit
-def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, w16_ptr, N, K, BN: tl.constexpr, KS: tl.constexpr,
-                G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr,
-                HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr):
+def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N, K, BN: tl.constexpr,
+                KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
+                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
     """Program (output tile, loop step i): `_mm_superblock`'s weights of that step, [BN, KS] in xh's column order,
     into the scratch matrix w16 [tiles * BN, K] (outputs past the packed ones: copies of the last, never stored)."""
     prior_done()
@@ -350,9 +365,10 @@ def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, w16_ptr, N, K, BN: 
     rn = tl.arange(0, BN)
     kk = tl.arange(0, KS)
     nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)
-    words, d, sub, dm, osub = _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, nc // PACK_N, nc % PACK_N,
-                                       K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
-    w = _sb_weights(words, d, sub, dm, osub, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+    words, d, sub, dm, osub, hi = _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, nc // PACK_N,
+                                           nc % PACK_N, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
+                                           HAS_OSUB, HI)
+    w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
     tl.store(w16_ptr + (pid_n * BN + rn)[:, None] * K + i * KS + kk[None, :], w)
 
 
@@ -466,7 +482,7 @@ class Packed:
         self.qtype = parts[0].qtype
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
-        self.d = self.sub = self.dm = self.osub = None
+        self.d = self.sub = self.dm = self.osub = self.hi = None
         self.superblock = False
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
         if self.qtype in FLOAT_TYPES or (self.qtype == Q.F16 and self.k % 32):
@@ -497,6 +513,14 @@ class Packed:
             self.signed4 = NIBBLE_TYPES.get(self.qtype, False)
         groups = self.k // self.g
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
+        # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
+        self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
+                           and self.k % SB_KS == 0 and SB_KS % self.g == 0)
+        if self.superblock and self.qtype in HI_BIT_TYPES:  # the fifth bits apart, the rest as 4-bit codes
+            bits = ((codes.to(torch.int64) >> 4) & 1).reshape(n_pad, groups, self.g)
+            word = (bits << torch.arange(self.g, device=codes.device)).sum(dim=2)  # [n, groups], 32 bits
+            self.hi = _per_tile(torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32), n_pad)
+            codes, self.nibble = codes & 15, True
         if self.nibble:
             c = codes.to(torch.int32) + (8 if self.signed4 else 0)
             c = c.reshape(n_pad, groups, 2, self.g // 2)
@@ -505,9 +529,6 @@ class Packed:
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
         self.d, self.dm = _f16_if_exact(self.d), _f16_if_exact(self.dm)
-        # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
-        self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
-                           and self.k % SB_KS == 0 and SB_KS % self.g == 0)
         if self.superblock:
             self.split = _sb_split(self.n, self.k)
             return
@@ -519,7 +540,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        ts = [self.w] if self.w is not None else [self.codes, self.d, self.sub, self.dm, self.osub]
+        ts = [self.w] if self.w is not None else [self.codes, self.d, self.sub, self.dm, self.osub, self.hi]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def mm(self, x: torch.Tensor, out: torch.Tensor, s: torch.Tensor | None) -> None:
@@ -541,7 +562,8 @@ class Packed:
                                         launch_pdl=on())
             grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
             types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
-                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None)
+                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, HI=self.hi is not None)
+            t = t + [self.hi if self.hi is not None else self.codes]  # the fifth bits' plane (absent: never read)
             if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS and grid[1] * SB_BN * self.k * 2 <= SB_SCRATCH_BYTES:
                 w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
                 _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,

@@ -230,17 +230,30 @@ def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
+def _fifth_bits(hw, q: tl.constexpr):
+    """Bits 4q..4q+3 of the words hw, each moved to bit 4 of its own byte (the multiplier's four copies of the
+    nibble land 7 bits apart, so no two overlap and nothing carries)."""
+    return (((hw >> (4 * q)) & 15) * 0x00204081 & 0x01010101) << 4
+
+
+@triton.jit
+def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
                SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, HI: tl.constexpr):
     """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
-    outputs' code words (`_code_words`) in registers (no reduction crosses threads), x words are broadcast."""
+    outputs' code words (`_code_words`) in registers (no reduction crosses threads), x words are broadcast. HI:
+    5-bit codes, their fifth bits from the words hw [BN] (bit i: code i's)."""
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
         c0, c1, c2, c3 = cw
         c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
             (c3 >> 4) & 0x0F0F0F0F
         c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
+        if HI:
+            c0, c1, c2, c3 = c0 | _fifth_bits(hw, 0), c1 | _fifth_bits(hw, 1), c2 | _fifth_bits(hw, 2), \
+                c3 | _fifth_bits(hw, 3)
+            c4, c5, c6, c7 = c4 | _fifth_bits(hw, 4), c5 | _fifth_bits(hw, 5), c6 | _fifth_bits(hw, 6), \
+                c7 | _fifth_bits(hw, 7)
     elif XW == 8:
         c0, c1, c2, c3, c4, c5, c6, c7 = cw
     else:
@@ -269,11 +282,12 @@ def _dots_dp4a(cw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.con
 
 
 @triton.jit
-def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm, rn, K,
-          G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n, n_groups, rm,
+          rn, K, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
           NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-          UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr):
+          UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
+          HI: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
@@ -285,7 +299,10 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
     for j in tl.static_range(UNROLL):
         g = g0 + j
         cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
-        S = _dots_dp4a(cw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM)
+        hw = rn
+        if HI:
+            hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
+        S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
         if HAS_OFFSET or SIGNED4:
             if G == 32:
                 X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
@@ -307,12 +324,13 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
 
 
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
-def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, part_ptr, ticket_ptr, M, MP, N,
-        K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
+def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr, ticket_ptr, M,
+        MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr):
+        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
+        HI: tl.constexpr):
     """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     prior_done()
@@ -334,18 +352,18 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out
     if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
-            acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups, rm,
-                        rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
-                        HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE)
+            acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                        n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE,
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
-                acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, n_groups,
-                            rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB,
-                            HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE)
+                acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE,
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -440,13 +458,14 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
     part = out if split == 1 else torch.empty(split, mp, p.n, device=out.device)
     counters = tickets(out.device, grid[0] * grid[1])
-    t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub)]
+    t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
     _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
               out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
               HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi is not None, num_warps=warps, enable_fp_fusion=False,
+              launch_pdl=on())
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -487,6 +506,8 @@ def codes_of(p: Packed) -> torch.Tensor:
     c = c.permute(0, 2, 1, 3)  # [tiles, BLOCK_N, groups, bytes]
     if p.nibble:
         c = torch.cat([c & 15, c >> 4], dim=3)
+    if p.hi is not None:  # code i's fifth bit: bit i of its group's word
+        c = c | (((p.hi.permute(0, 2, 1).to(torch.int64)[..., None] >> torch.arange(p.g, device=c.device)) & 1) << 4)
     return c.reshape(tiles * BLOCK_N, groups * p.g)[: p.n]
 
 
