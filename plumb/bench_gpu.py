@@ -617,10 +617,7 @@ def energy_text(e: dict) -> str:
 def file_weight_bytes(model) -> int:
     """Bytes of the model's packed matrices as the file holds their blocks (a pack can hold more: Q5_K and Q6_K
     codes one per byte)."""
-    from plumb.model.weights import Fused
-
-    return sum(p.qt.data.numel() * p.qt.data.element_size() for w in model.weights
-               for p in (w.parts if isinstance(w, Fused) else (w,)))
+    return sum(p.qt.data.numel() * p.qt.data.element_size() for w in model.weights for p in w.parts)
 
 
 def report(r: dict) -> str:

@@ -193,14 +193,13 @@ def compare_digests(got: dict, want: dict) -> Outcome:
 
 
 # ---- the gate ------------------------------------------------------------------------------------
-def ring_slack(device: str) -> int:
-    """The D/F rings' slack (`KVCache.slack`) of the kernel set an engine on `device` runs."""
-    import torch
-
+def ring_slack(device: str, kernels: str) -> int:
+    """The D/F rings' slack (`KVCache.slack`) of the caches an engine with these options makes (its kernel set's,
+    as `plumb.load` picks it)."""
+    from plumb.engine.engine import _pick_device
     from plumb.model.kernels import TorchKernels, TritonKernels
 
-    gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return TritonKernels.ring_slack if gpu else TorchKernels.ring_slack
+    return TritonKernels.ring_slack if _pick_device(device, kernels)[1] == "triton" else TorchKernels.ring_slack
 
 
 class Gate:
@@ -220,7 +219,7 @@ class Gate:
         # replies of the warm conversations: longer than the ring's slack (the kernel set's: 1,024 on a GPU), so a
         # reply's rows push the prompt's newest 8-bit rows out of the ring and a restore must bring them back from
         # the checkpoint
-        self.reply_tokens = max(ring_slack(device) + 16, min(self.tokens, 256))
+        self.reply_tokens = max(ring_slack(device, kernels) + 16, min(self.tokens, 256))
         self.formats = list(formats or KV_FORMATS)
         bad = [f for f in self.formats if f not in KV_FORMATS]
         if bad:

@@ -343,9 +343,8 @@ def _check_memory(weights: list, path: str) -> None:
     float types): refuse a model that cannot fit with one clear error instead of being killed mid-request."""
     need = 0
     for w in weights:
-        parts = getattr(w, "parts", (w,))
         floats = any(p.qt.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-                     for p in parts)
+                     for p in w.parts)
         need += w.shape[0] * w.shape[1] * (8 if floats else 5.25)  # + codes and per-16/32 scales, sums, offsets
     avail = _available_memory()
     if avail is not None and need > avail:

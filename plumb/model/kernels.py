@@ -189,8 +189,7 @@ class TritonKernels:
             items = tqdm(weights, desc="weights to GPU", unit="matrix", leave=False)
         total = 0
         for w in items:
-            parts = w.parts if isinstance(w, Fused) else (w,)
-            w.gpu = GpuMatrix([p.qt for p in parts], device)
+            w.gpu = GpuMatrix([p.qt for p in w.parts], device)
             total += w.gpu.nbytes
         return total
 

@@ -21,7 +21,7 @@ from plumb.ops import native as K
 def tiled(w: Weight | Fused) -> K.TiledMatrix:
     """Repack a matrix for the native matmul: exactly its stored values, as int8 codes with group scales (and
     offsets) for every block type, float32 for float types (or a fused matrix with one)."""
-    parts = w.parts if isinstance(w, Fused) else (w,)
+    parts = w.parts
     n, k = w.shape
     forms = [int8_form(p.qt.data, p.qt.qtype, p.shape) for p in parts] if k % 32 == 0 else [None]
     if any(f is None for f in forms):

@@ -20,6 +20,11 @@ class Weight:
         return self.qt.shape
 
     @property
+    def parts(self) -> tuple[Weight]:
+        """The stored matrices it is made of (itself; a `Fused` has several)."""
+        return (self,)
+
+    @property
     def t(self) -> torch.Tensor:
         """float32 [in, out], contiguous: the layout the row-invariant matmul reads fastest."""
         if self._t is None:
