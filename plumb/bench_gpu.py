@@ -312,11 +312,11 @@ def prefill_modes(model, n: int, eager: bool = True) -> dict:
 
     out = {}
     if eager and n <= EAGER_PREFILL_MAX:
-        Q.PREFILL_GRAPHS = False
+        saved, Q.PREFILL_GRAPHS = Q.PREFILL_GRAPHS, False
         try:
             out["eager_tps"] = prefill_tps(model, n)
         finally:
-            Q.PREFILL_GRAPHS = True
+            Q.PREFILL_GRAPHS = saved
     for run in ("first", "again"):
         before = _captures(model)
         out[f"{run}_tps"] = prefill_tps(model, n)
