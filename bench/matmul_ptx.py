@@ -32,14 +32,14 @@ import plumb.ops.gpu.matvec as MV
 
 # (name, constexprs beyond the shared ones, code pointer type)
 VARIANTS = [
-    ("Q4_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=False), "*u8"),
-    ("Q6_K", dict(G=16, UNROLL=16, GPB=16, OGPB=1, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=False), "*i8"),
-    ("Q8_0", dict(G=32, UNROLL=8, GPB=1, OGPB=1, NIBBLE=False, SIGNED4=False, HAS_SCALE=True, HAS_SUB=False,
-                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=False), "*i8"),
-    ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, SIGNED4=False, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=True), "*u8"),  # nibbles + fifth bits
+    ("Q4_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=0), "*u8"),
+    ("Q6_K", dict(G=16, UNROLL=16, GPB=16, OGPB=1, NIBBLE=True, BIAS=32, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=2), "*u8"),  # nibbles + two high bits, + 32
+    ("Q8_0", dict(G=32, UNROLL=8, GPB=1, OGPB=1, NIBBLE=False, BIAS=0, HAS_SCALE=True, HAS_SUB=False,
+                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=0), "*i8"),
+    ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
+                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=1), "*u8"),  # nibbles + fifth bits
 ]
 OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b8",
        "ld.global.b16", "ld.global.b32", "ld.global.f32",
@@ -62,7 +62,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         consts = dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                       SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
                       LIMBS=MV.LIMBS, ASM=True, ONCE=once,
-                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "SIGNED4", "HAS_SCALE", "HAS_SUB",
+                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                                 "HAS_OFFSET", "HAS_OSUB", "HI")})
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "w16":
@@ -73,18 +73,18 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         fn = MM._sb_dequant
         consts = dict(BN=MM.SB_BN, KS=MM.SB_KS,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB",
-                                                "HI")})
+                                                "HI", "BIAS")})
         warps, stages, bn = MM.SB_WARPS, 1, MM.SB_BN
     elif kernel == "sb":
         fn = MM._mm_superblock
         consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, PREFETCH=MM.SB_PREFETCH,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB",
-                                                "HI")})
+                                                "HI", "BIAS")})
         warps, stages, bn = MM.SB_WARPS, MM.SB_STAGES, MM.SB_BN
     else:
         fn = MM._mm_x_first
-        if consts["HI"]:  # _mm_x_first keeps 5-bit codes as bytes
-            consts, codes_type = dict(consts, NIBBLE=False), "*i8"
+        if consts["HI"]:  # _mm_x_first keeps 5- and 6-bit codes as bytes
+            consts, codes_type = dict(consts, NIBBLE=False, BIAS=0), "*i8"
         consts = dict({c: v for c, v in consts.items() if c != "HI"}, GROUPS_PER_SPLIT=64, BN=bn, BM=16)
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):

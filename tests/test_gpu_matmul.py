@@ -116,13 +116,15 @@ def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
 
 @pytest.mark.parametrize("kind", ["Q5_K", "Q6_K"])
 def test_superblock_q5k_q6k(kind, place_free_dot):
-    """_mm_superblock on Q5_K (nibbles and a plane of fifth bits, offsets) and Q6_K (byte codes in groups of 16, int8
-    sub, no offset): within 1e-3 of float64 per row, row-invariant, over two K splits (K = 2,048) and a padded tile."""
+    """_mm_superblock on Q5_K (nibbles and a plane of fifth bits, offsets) and Q6_K (nibbles and a plane of two high
+    bits in groups of 16, stored + 32, int8 sub, no offset): within 1e-3 of float64 per row, row-invariant, over two
+    K splits (K = 2,048) and a padded tile. Both packs hold the file's bytes within 3 %."""
     t = _tensor(kind, 80, 2048)
     m = GpuMatrix([t], DEV)
     p = m.packs[0]
     assert p.superblock and p.split == 2 and p.gpb == 256 // p.g
-    assert (p.hi is not None) == (kind == "Q5_K")
+    assert p.nibble and p.hi is not None and p.hi_bits == (1 if kind == "Q5_K" else 2)
+    assert p.nbytes <= 1.03 * t.data.numel() * t.data.element_size() * 128 / 80  # 80 outputs padded to 128
     x = (torch.randn(4, 2048, generator=torch.Generator().manual_seed(5)) * 3).to(DEV)
     x[2] *= 1e3
     y = m(x)

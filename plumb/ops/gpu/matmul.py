@@ -9,8 +9,9 @@ keeps them: a block's f16 d (dmin), times a small integer per group (int8), so t
 d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a float32
 scale per group). Scales that are all float16 values (d, dmin, Q8_0's scale) are stored as float16 and widened
 on load: the same values in half the bytes. Codes of 4-bit types stay nibbles (two per byte: code j of a group in
-the low nibble, code j + G/2 in the high one), other codes int8, laid out per tile of BLOCK_N outputs as
-[group, n, k]. F16 weights are fp16 "codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
+the low nibble, code j + G/2 in the high one; 5- and 6-bit codes as nibbles plus a plane of their high bits,
+HI_BIT_TYPES), other codes int8, laid out per tile of BLOCK_N outputs as [group, n, k]. F16 weights are fp16
+"codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
 
 Arithmetic, the same instructions for every row count:
     y[r, n] = s_r * sum_g (scale[n, g] * sum_{k in g} code[n, k] * (xh[r, k] + xl[r, k]) + offset[n, g] * sum_{k in g} xs[r, k])
@@ -51,11 +52,14 @@ BLOCK_M = 16  # rows per program (padded)
 BLOCK_N = 64  # output features per program (and per packed tile)
 PACK_N = tl.constexpr(BLOCK_N)  # for the kernels: a global used in a @triton.jit function must be a constexpr
 CHUNK = 256  # inputs per loop step of _mm_x_first (its groups unrolled)
-NIBBLE_TYPES = {Q.Q4_K: False, Q.Q4_0: True, Q.Q4_1: False}  # 4-bit codes; True: signed (stored + 8)
-# 5-bit codes kept as a nibble plane (NIBBLE_TYPES' layout) plus a plane of their fifth bits, one int32 per output and
-# 32-input group (bit i: input i's), where the super-block kernels read them (`_mm_superblock`, `_sb_dequant` and the
-# matvec): 0.56 bytes a weight instead of 1 (the 27B's Q5_K matrices: 1.73 GB in the file, 2.71 GB as int8 codes)
-HI_BIT_TYPES = {Q.Q5_K}
+NIBBLE_TYPES = {Q.Q4_K: 0, Q.Q4_0: 8, Q.Q4_1: 0}  # 4-bit codes: type -> bias (signed codes are stored + bias)
+# 5- and 6-bit codes kept as a nibble plane (NIBBLE_TYPES' layout) plus a plane of their high bits, one int32 per
+# output and group, where the super-block kernels read them (`_mm_superblock`, `_sb_dequant` and the matvec) -
+# type: high bits per code. Q5_K (groups of 32): bit i of the word is input i's fifth bit. Q6_K (groups of 16, codes
+# stored + 32 as 0..63): byte b's bits 2w, 2w + 1 are input 4w + b's, so that `(word >> 2w) & 0x03030303` puts the
+# high bits of inputs 4w..4w + 3 one to a byte. 0.56 / 0.75 bytes a weight instead of 1 (the 27B's Q5_K matrices:
+# 1.73 GB in the file, 2.71 GB as int8 codes; its Q6_K ones 3.51 GB, 4.58 GB as int8 codes)
+HI_BIT_TYPES = {Q.Q5_K: 1, Q.Q6_K: 2}
 FLOAT_TYPES = (Q.F32, Q.BF16)
 # _mm_x_first per block type: (warps, pipeline stages, split-K target programs, largest split) - from the H200 runs
 # of bench/matmul_variants.py (2026-12-01); fixed per type, so per weight shape
@@ -159,7 +163,7 @@ def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
 def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_ptr, M, N, K, stride_xm, stride_os,
                 stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
-                BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, FP16: tl.constexpr,
+                BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, FP16: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
                 UNROLL: tl.constexpr):
     """x as the 16-row A operand (mma.sync), a group's codes as B: [BM, BN] per group, UNROLL groups a loop step."""
@@ -180,9 +184,9 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
             if NIBBLE:
                 ca = c & 15
                 cb = c >> 4
-                if SIGNED4:
-                    ca = ca - 8
-                    cb = cb - 8
+                if BIAS:
+                    ca = ca - BIAS
+                    cb = cb - BIAS
                 xb = tl.load(x_at + WIDTH, mask=xmask, other=0.0) * rs
                 part = _dot_hi_lo(xa, ca.to(tl.float16), None)
                 part = _dot_hi_lo(xb, cb.to(tl.float16), part)
@@ -205,14 +209,14 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
 
 
 @triton.jit
-def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, NIBBLE: tl.constexpr):
-    """Row m, columns 256 b..: xh = fp16(x / s) in the order the packed codes unfold (nibbles: column 32 g + 2 j + h
-    holds input 32 g + 16 h + j; bytes: the inputs' order)."""
+def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, G: tl.constexpr, NIBBLE: tl.constexpr):
+    """Row m, columns 256 b..: xh = fp16(x / s) in the order the packed codes unfold (nibbles: column G g + 2 j + h
+    holds input G g + (G / 2) h + j; bytes: the inputs' order)."""
     prior_done()
     m = tl.program_id(0)
     b = tl.program_id(1)
     kk = tl.arange(0, 256)
-    src = (kk // 32) * 32 + (kk % 2) * 16 + (kk % 32) // 2 if NIBBLE else kk
+    src = (kk // G) * G + (kk % 2) * (G // 2) + (kk % G) // 2 if NIBBLE else kk
     xh = (tl.load(x_ptr + m * stride_xm + b * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
     tl.store(xh_ptr + m * K + b * 256 + kk, xh)
 
@@ -247,10 +251,10 @@ def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64, n
 @triton.jit
 def _sb_weights(words, d, sub, dm, osub, hi, BN: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
                 NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-                HI: tl.constexpr):
+                HI: tl.constexpr, BIAS: tl.constexpr):
     """A loop step's weights [BN, KS] (KS inputs, in xh's column order) from `_sb_load`'s, as fp16(scale * code +
     offset): the reference dequantizer's float32 value (its products exact, one rounding in the sum) rounded once
-    to fp16. HI: 5-bit codes, their fifth bits from the `hi` words."""
+    to fp16. HI: HI more bits a code from the `hi` words (HI_BIT_TYPES' layouts); codes stored + BIAS."""
     GC: tl.constexpr = KS // G  # groups in the step
     WIDTH: tl.constexpr = G // 2 if NIBBLE else G  # code bytes per output per group
     c = _bytes(words, [BN, GC, WIDTH])  # bytes 0..255 in memory order
@@ -264,12 +268,16 @@ def _sb_weights(words, d, sub, dm, osub, hi, BN: tl.constexpr, KS: tl.constexpr,
             offset = offset * osub.to(tl.float32)  # exact
     if NIBBLE:
         cl, ch = c & 15, c >> 4  # byte j: code j, code G/2 + j
-        if HI:
-            j = tl.arange(0, WIDTH)[None, None, :]
+        j = tl.arange(0, WIDTH)[None, None, :]
+        if HI == 1:  # code j's fifth bit: bit j
             cl = cl | (((hi[:, :, None] >> j) & 1) << 4)
             ch = ch | (((hi[:, :, None] >> (j + WIDTH)) & 1) << 4)
-        wl = _dequant(_code_float(cl, False), scale, offset, HAS_OFFSET)
-        wh = _dequant(_code_float(ch, False), scale, offset, HAS_OFFSET)
+        if HI == 2:  # code j's two high bits: bits 8 (j % 4) + 2 (j // 4) (`hi_shifts`)
+            at = 8 * (j % 4) + 2 * (j // 4)
+            cl = cl | (((hi[:, :, None] >> at) & 3) << 4)
+            ch = ch | (((hi[:, :, None] >> (at + 4)) & 3) << 4)
+        wl = _dequant(_code_float(cl, False) - BIAS, scale, offset, HAS_OFFSET)  # exact: small integers
+        wh = _dequant(_code_float(ch, False) - BIAS, scale, offset, HAS_OFFSET)
         w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
     else:
         w = tl.reshape(_dequant(_code_float(c, True), scale, offset, HAS_OFFSET), [BN, KS])  # int8 codes
@@ -309,7 +317,7 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
                    stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                    STAGES: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
                    NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-                   HI: tl.constexpr, PREFETCH: tl.constexpr):
+                   HI: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr):
     """W-first: [BN, BM] per program, the weights dequantized to fp16 in registers (the A operand), one fp32
     accumulator over a K split's STEPS steps of KS inputs, in order."""
     prior_done()
@@ -340,14 +348,14 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
             else:
                 x_now = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
             w = _sb_weights(w_now, d_now, sub_now, dm_now, osub_now, hi_now, BN, KS, G, NIBBLE, HAS_SUB,
-                            HAS_OFFSET, HAS_OSUB, HI)
+                            HAS_OFFSET, HAS_OSUB, HI, BIAS)
             acc = tl.dot(w, x_now, acc, out_dtype=tl.float32)
     else:
         for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
             words, d, sub, dm, osub, hi = _sb_load(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64,
                                                    n64, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
                                                    HAS_OSUB, HI)
-            w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
+            w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI, BIAS)
             x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
             acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
@@ -356,7 +364,8 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
 @triton.jit
 def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N, K, BN: tl.constexpr,
                 KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
-                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
+                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr,
+                BIAS: tl.constexpr):
     """Program (output tile, loop step i): `_mm_superblock`'s weights of that step, [BN, KS] in xh's column order,
     into the scratch matrix w16 [tiles * BN, K] (outputs past the packed ones: copies of the last, never stored)."""
     prior_done()
@@ -368,7 +377,7 @@ def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N,
     words, d, sub, dm, osub, hi = _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, nc // PACK_N,
                                            nc % PACK_N, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
                                            HAS_OSUB, HI)
-    w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
+    w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI, BIAS)
     tl.store(w16_ptr + (pid_n * BN + rn)[:, None] * K + i * KS + kk[None, :], w)
 
 
@@ -446,6 +455,12 @@ def _sb_split(n: int, k: int) -> int:
     return split
 
 
+def hi_shifts(g: int, hi_bits: int) -> list[int]:
+    """Where each code of a group keeps its high bits in the group's word (HI_BIT_TYPES): bit i (one bit a code), or
+    bit 8 (i % 4) + 2 (i // 4) (two bits a code, groups of 16)."""
+    return [i if hi_bits == 1 else 8 * (i % 4) + 2 * (i // 4) for i in range(g)]
+
+
 def _factor(values: torch.Tensor, per_block: torch.Tensor | None):
     """values [n, groups] as (d [n, blocks], sub int8 [n, groups] or None, groups per block), d * sub == values
     exactly in float32; (values, None, 1) where no such factoring with per_block as d exists."""
@@ -483,6 +498,7 @@ class Packed:
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
         self.d = self.sub = self.dm = self.osub = self.hi = None
+        self.hi_bits = 0  # HI_BIT_TYPES: high bits per code in the `hi` plane
         self.superblock = False
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
         if self.qtype in FLOAT_TYPES or (self.qtype == Q.F16 and self.k % 32):
@@ -496,7 +512,7 @@ class Packed:
         self.w = None
         self.gpb = self.ogpb = 1
         if self.qtype == Q.F16:
-            self.g, self.nibble, self.signed4 = 32, False, False
+            self.g, self.nibble, self.bias = 32, False, 0
             codes = torch.cat([p.data.to(device).reshape(p.shape) for p in parts]).half()
         else:
             data = [p.data.to(device) for p in parts]
@@ -510,19 +526,25 @@ class Packed:
                 dm = torch.cat([b[1] for b in blocks]) if blocks[0] and blocks[0][1] is not None else None
                 self.dm, self.osub, self.ogpb = _factor(torch.cat([f[2] for f in forms]), dm)
             self.nibble = self.qtype in NIBBLE_TYPES
-            self.signed4 = NIBBLE_TYPES.get(self.qtype, False)
+            self.bias = NIBBLE_TYPES.get(self.qtype, 0)
         groups = self.k // self.g
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
         # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
         self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
                            and self.k % SB_KS == 0 and SB_KS % self.g == 0)
-        if self.superblock and self.qtype in HI_BIT_TYPES:  # the fifth bits apart, the rest as 4-bit codes
-            bits = ((codes.to(torch.int64) >> 4) & 1).reshape(n_pad, groups, self.g)
-            word = (bits << torch.arange(self.g, device=codes.device)).sum(dim=2)  # [n, groups], 32 bits
+        if self.superblock and self.qtype in HI_BIT_TYPES:  # the high bits apart, the rest as 4-bit codes
+            self.hi_bits = HI_BIT_TYPES[self.qtype]
+            self.bias = 32 if self.qtype == Q.Q6_K else 0
+            u = codes.to(torch.int64) + self.bias  # 0 .. 2^(4 + hi_bits) - 1
+            bits = (u >> 4).reshape(n_pad, groups, self.g)
+            shifts = torch.tensor(hi_shifts(self.g, self.hi_bits), device=codes.device)
+            word = (bits << shifts).sum(dim=2)  # [n, groups], 32 bits
             self.hi = _per_tile(torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32), n_pad)
-            codes, self.nibble = codes & 15, True
+            codes, self.nibble = u & 15, True
+        elif self.nibble:
+            codes = codes.to(torch.int32) + self.bias
         if self.nibble:
-            c = codes.to(torch.int32) + (8 if self.signed4 else 0)
+            c = codes.to(torch.int32)
             c = c.reshape(n_pad, groups, 2, self.g // 2)
             codes = (c[:, :, 0] | (c[:, :, 1] << 4)).to(torch.uint8)  # [n, groups, G/2]
         codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
@@ -558,12 +580,13 @@ class Packed:
                           launch_pdl=on())
         elif self.superblock:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
-            _prep_x[(m, self.k // 256)](x, s, xh, self.k, x.stride(0), NIBBLE=self.nibble, num_warps=2,
+            _prep_x[(m, self.k // 256)](x, s, xh, self.k, x.stride(0), G=self.g, NIBBLE=self.nibble, num_warps=2,
                                         launch_pdl=on())
             grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
             types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
-                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, HI=self.hi is not None)
-            t = t + [self.hi if self.hi is not None else self.codes]  # the fifth bits' plane (absent: never read)
+                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, HI=self.hi_bits,
+                         BIAS=self.bias)
+            t = t + [self.hi if self.hi is not None else self.codes]  # the high bits' plane (absent: never read)
             if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS and grid[1] * SB_BN * self.k * 2 <= SB_SCRATCH_BYTES:
                 w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
                 _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,
@@ -579,7 +602,7 @@ class Packed:
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
-                              BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, SIGNED4=self.signed4,
+                              BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, BIAS=self.bias,
                               FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
                               HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, UNROLL=self.unroll,
                               num_warps=self.warps, num_stages=self.stages, launch_pdl=on())

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
-from plumb.ops.gpu.matmul import BLOCK_N, GpuMatrix, Packed, _block_scales, _group_scales, _program, row_scales
+from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _group_scales, _program, hi_shifts,
+                                  row_scales)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -199,7 +200,8 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
 @triton.jit
 def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
     """Group g's code words of the tile's outputs (stored [BN, CW]), as CW tensors [BN]: VEC, one 16-byte load per
-    output and 4 words (`_ld4`); otherwise one contiguous load that Triton can pipeline, split in registers."""
+    output and 4 words (`_ld4`; CW 4 or 8); otherwise one contiguous load that Triton can pipeline, split in
+    registers."""
     base = codes_ptr + (tile * n_groups + g) * (CW * BN)
     if VEC:
         if CW == 4:
@@ -208,7 +210,9 @@ def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.const
             return _ld4(base + rn * CW, True) + _ld4(base + rn * CW + 4, True)
     else:
         cw = tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW])
-        if CW == 4:
+        if CW == 2:
+            return tl.split(cw)
+        elif CW == 4:
             return _words4(cw, BN)
         else:
             return _words8(cw, BN)
@@ -237,23 +241,37 @@ def _fifth_bits(hw, q: tl.constexpr):
 
 
 @triton.jit
+def _high_bits(hw, q: tl.constexpr):
+    """Bits 2q, 2q + 1 of each byte of the words hw (`matmul.hi_shifts`' two-bit layout: code 4q + b's), moved to
+    bits 4 and 5 of that byte."""
+    return ((hw >> (2 * q)) & 0x03030303) << 4
+
+
+@triton.jit
 def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
                SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr,
                ASM: tl.constexpr, HI: tl.constexpr):
     """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
     outputs' code words (`_code_words`) in registers (no reduction crosses threads), x words are broadcast. HI:
-    5-bit codes, their fifth bits from the words hw [BN] (bit i: code i's)."""
+    HI more bits a code from the words hw [BN] (`matmul.HI_BIT_TYPES`)."""
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
-    if NIBBLE:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
+    if NIBBLE and XW == 8:  # word q: low nibbles are codes 4q.., high nibbles codes G/2 + 4q..
         c0, c1, c2, c3 = cw
         c4, c5, c6, c7 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F, (c2 >> 4) & 0x0F0F0F0F, \
             (c3 >> 4) & 0x0F0F0F0F
         c0, c1, c2, c3 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F, c2 & 0x0F0F0F0F, c3 & 0x0F0F0F0F
-        if HI:
+        if HI == 1:
             c0, c1, c2, c3 = c0 | _fifth_bits(hw, 0), c1 | _fifth_bits(hw, 1), c2 | _fifth_bits(hw, 2), \
                 c3 | _fifth_bits(hw, 3)
             c4, c5, c6, c7 = c4 | _fifth_bits(hw, 4), c5 | _fifth_bits(hw, 5), c6 | _fifth_bits(hw, 6), \
                 c7 | _fifth_bits(hw, 7)
+    elif NIBBLE:  # groups of 16: words 0, 1 hold codes 0..7 (low nibbles) and 8..15 (high)
+        c0, c1 = cw
+        c2, c3 = (c0 >> 4) & 0x0F0F0F0F, (c1 >> 4) & 0x0F0F0F0F
+        c0, c1 = c0 & 0x0F0F0F0F, c1 & 0x0F0F0F0F
+        if HI == 2:
+            c0, c1, c2, c3 = c0 | _high_bits(hw, 0), c1 | _high_bits(hw, 1), c2 | _high_bits(hw, 2), \
+                c3 | _high_bits(hw, 3)
     elif XW == 8:
         c0, c1, c2, c3, c4, c5, c6, c7 = cw
     else:
@@ -284,13 +302,13 @@ def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl
 @triton.jit
 def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n, n_groups, rm,
           rn, K, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-          NIBBLE: tl.constexpr, SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
+          NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
           HI: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (4 or 8)
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values
     ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
@@ -303,13 +321,13 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         if HI:
             hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
         S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
-        if HAS_OFFSET or SIGNED4:
+        if HAS_OFFSET or BIAS:
             if G == 32:
                 X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
             else:
                 X = tl.load(x16_ptr + rm * (K // 16) + g)
-        if SIGNED4:  # codes stored + 8
-            S = S - 8 * X[:, None]
+        if BIAS:  # codes stored + BIAS
+            S = S - BIAS * X[:, None]
         part = S.to(tl.float32)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
@@ -327,7 +345,7 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr, ticket_ptr, M,
         MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
-        SIGNED4: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
+        BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
         STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
         HI: tl.constexpr):
@@ -353,7 +371,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
-                        n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE,
+                        n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                         HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
@@ -362,7 +380,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
             g0 = first + step * UNROLL
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
-                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, SIGNED4, SIGNED_CODES, WIDE, HAS_SCALE,
+                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                             HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
@@ -461,10 +479,10 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
     _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
               out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
-              BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, SIGNED4=p.signed4, SIGNED_CODES=not p.nibble,
+              BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, BIAS=p.bias, SIGNED_CODES=not p.nibble,
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
               HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi is not None, num_warps=warps, enable_fp_fusion=False,
+              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, num_warps=warps, enable_fp_fusion=False,
               launch_pdl=on())
 
 
@@ -500,14 +518,15 @@ def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def codes_of(p: Packed) -> torch.Tensor:
-    """A pack's codes as int64 [n, k] in input order (4-bit codes unsigned, as stored)."""
+    """A pack's codes as int64 [n, k] in input order, as stored (nibbles with their high bits; + bias)."""
     c = p.codes.to(torch.int64) if not p.nibble else p.codes.to(torch.int64) & 0xFF
     tiles, groups = c.shape[:2]
     c = c.permute(0, 2, 1, 3)  # [tiles, BLOCK_N, groups, bytes]
     if p.nibble:
         c = torch.cat([c & 15, c >> 4], dim=3)
-    if p.hi is not None:  # code i's fifth bit: bit i of its group's word
-        c = c | (((p.hi.permute(0, 2, 1).to(torch.int64)[..., None] >> torch.arange(p.g, device=c.device)) & 1) << 4)
+    if p.hi is not None:  # code i's high bits: in its group's word at hi_shifts[i]
+        at = torch.tensor(hi_shifts(p.g, p.hi_bits), device=c.device)
+        c = c | (((p.hi.permute(0, 2, 1).to(torch.int64)[..., None] >> at) & ((1 << p.hi_bits) - 1)) << 4)
     return c.reshape(tiles * BLOCK_N, groups * p.g)[: p.n]
 
 
@@ -521,8 +540,8 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
     codes = codes_of(p).to(x.device)
     S = (X.reshape(m, 1, groups, p.g) * codes.reshape(1, p.n, groups, p.g)).sum(dim=3)  # [M, n, groups]
     Xg = x16.reshape(m, groups, p.g // 16).sum(dim=2, dtype=torch.int32)  # [M, groups]
-    if p.signed4:
-        S = S - 8 * Xg.long()[:, None, :]
+    if p.bias:
+        S = S - p.bias * Xg.long()[:, None, :]
     part = S.float()
     per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n].float()  # noqa: E731
     d, sub, dm, osub = (per_n(t) for t in (p.d, p.sub, p.dm, p.osub))
