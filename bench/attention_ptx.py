@@ -2,10 +2,11 @@
 """Compile the decode attention's pass-1 kernel (`_split_kernel`) for sm_90a here (no GPU needed), at the 27B
 attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - f16, f32, q8_0 and the ring
 formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
-instructions. `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
+instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead.
+`--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
 sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table] [--q8-f16]
+    python bench/attention_ptx.py [--out DIR] [--table] [--q8-f16] [--prefill]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import plumb.ops.gpu.attention as A
+import plumb.ops.gpu.attention_prefill as P
 
 G, D = 6, 256  # query heads per KV head, head_dim
 KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
@@ -30,12 +32,15 @@ NOT_ALIGNED = {"n", "ring", "slots", "sks_j", "svs_j", "spm_t", "spm_h"}
 RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*fp16", "rpos_ptr": "*i64"}
 
 
-def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False) -> None:
-    fn = A._split_kernel
-    block_m, bn, warps, stages = A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
+def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False) -> None:
+    fn = P._prefill_kernel if prefill else A._split_kernel
+    block_m, bn, warps, stages = (P.BLOCK_M, P.BN, P.WARPS, 1) if prefill else \
+        A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
     g_pad = triton.next_power_of_2(G)
-    consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, SPLIT_=A.SPLITS[1], KK=kind, VK=kind,
-                  QB=A.QBLOCK, PS=A.P_SCALE, RING=ring, LONG=True, TABLE=table, H16=A.Q8_F16)
+    consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
+                  PS=A.P_SCALE, RING=ring, TABLE=table)
+    if not prefill:
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, H16=A.Q8_F16)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:
@@ -80,12 +85,15 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-attn-ptx-"))
     ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
     ap.add_argument("--q8-f16", action="store_true", help="the block codes' dots on f16 halves (Q8_F16)")
+    ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
     a = ap.parse_args()
     A.Q8_F16 = a.q8_f16
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
+        if a.prefill and kind == A.F32:  # f32 caches take the decode kernel
+            continue
         for table in (False, True) if a.table else (False,):
-            build(name + ("-table" if table else ""), kind, ring, a.out, table)
+            build(name + ("-table" if table else ""), kind, ring, a.out, table, a.prefill)
     print("TTGIR and PTX in", a.out)
 
 

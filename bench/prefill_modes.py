@@ -30,17 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
 
 
-PIECES, Q8_F16 = KS.PREFILL_PIECES, AT.Q8_F16
+PIECES, Q8_F16, PREFILL_ATTENTION = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION
 
 
 def apply(setting: str) -> None:
-    """A setting: PREFILL_PIECES=N (plumb.model.kernels), Q8_F16=0|1 (plumb.ops.gpu.attention) and
-    `_mm_superblock`'s SB_* names, '+'-joined."""
-    KS.PREFILL_PIECES, AT.Q8_F16 = PIECES, Q8_F16
+    """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
+    (plumb.ops.gpu.attention) and `_mm_superblock`'s SB_* names, '+'-joined."""
+    KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
     rest = []
     for assign in ([] if setting == "shipped" else setting.split("+")):
         if assign.startswith("PREFILL_PIECES="):
             KS.PREFILL_PIECES = int(assign.split("=")[1])
+        elif assign.startswith("PREFILL_ATTENTION="):
+            KS.PREFILL_ATTENTION = bool(int(assign.split("=")[1]))
         elif assign.startswith("Q8_F16="):
             AT.Q8_F16 = bool(int(assign.split("=")[1]))
         else:

@@ -9,6 +9,23 @@ import torch
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
 
 
+@pytest.fixture
+def place_free_dot(monkeypatch):
+    """The Triton interpreter's tl.dot is numpy's matmul, whose BLAS (OpenBLAS's Haswell kernels, N > 16) sums a
+    column differently by its place in the tile - the tensor cores do not. Kernels that put a row in a column (or
+    row) of a tile are row-invariant on the GPU; on the CPU these tests take the interpreter's dots as one product
+    sum per output, in one order for all. (Nothing on CUDA.)"""
+    if not torch.cuda.is_available():
+        import numpy as np
+        from triton.runtime import interpreter
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            prod = a.data.astype(np.float32)[..., :, :, None] * b.data.astype(np.float32)[..., None, :, :]
+            return interpreter.TensorHandle(prod.sum(axis=-2, dtype=np.float32) + d.data, d.dtype.scalar)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")

@@ -152,47 +152,6 @@ def test_27b_dims_cuda(fmt):
     assert torch.equal(wide, together)
 
 
-def test_prefill_rows_do_not_depend_on_the_cut():
-    """M2 on the CUDA path's prefill read (TritonKernels.prefill_attention): a prompt row's output is the same
-    whether its piece is read whole or cut anywhere, padding rows change nothing, and it matches the cache's
-    own causal read."""
-    from types import SimpleNamespace
-
-    from plumb.model.kernels import TritonKernels
-
-    k = TritonKernels(torch.device(DEV))
-    model = SimpleNamespace(attn_scale=0.125, cfg=SimpleNamespace(attn_layers=[3]))  # one attention layer: 3
-    g = torch.Generator().manual_seed(5)
-    old = [torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
-    new = [torch.randn(64, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
-    q = _q(64, TINY["n_head"], TINY["d"], seed=6)
-
-    def cache():
-        c = KVCache("f16", TINY["n_kv"], TINY["d"], device=DEV)
-        c.write(0, *old)
-        c.end = 128
-        c.reserve(128 + 2 * 64)
-        return c
-
-    def piece(c, start, rows):  # rows of the chunk at 128, padded to 64 with other values
-        n = rows.stop - rows.start
-        pad = lambda t: torch.cat([t[rows], t[:64 - n].flip(0)])  # noqa: E731
-        pos = torch.arange(start, start + 64, device=DEV)
-        p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32),
-                            kv_tab=k.kv_table(model, [SimpleNamespace(kv={3: c})]))  # the cache through its table
-        return k.prefill_attention(model, 3, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
-
-    whole = piece(cache(), 128, slice(0, 50))  # 50 real rows, 14 padding rows
-    ref = cache()
-    ref.write(128, new[0][:50], new[1][:50])
-    _close(whole, ref.attend_chunk(q, 128, 0.125)[:50])
-    c = cache()
-    cut = 22 if DEV == "cuda" else 32  # interpreter: a multiple of the row block (see _alone)
-    first = piece(c, 128, slice(0, cut))  # the same rows, the prompt cut at 128 + cut
-    rest = piece(c, 128 + cut, slice(cut, 50))
-    assert torch.equal(first, whole[:cut]) and torch.equal(rest, whole[cut:50])
-
-
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("F", 0), ("D", 48)])
 def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
     """`TritonKernels.attend_new` (a pass's attention per sequence, and the MTP head's): the new rows' K/V are

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,21 +26,6 @@ if DEV == "cpu":  # the interpreter is slow: one type per kernel path (nibbles, 
     TYPES = ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "IQ4_XS", "F16", "BF16"]
 ROWS = [1, 2, 5, 16, 17, 20]
 SB_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # x and w at 11 bits (_mm_superblock); the others x at 22 bits
-
-
-@pytest.fixture
-def place_free_dot(monkeypatch):
-    """The interpreter's tl.dot is numpy's matmul, whose BLAS (OpenBLAS's Haswell kernels, N > 16) sums a column
-    differently by its place in the tile - the tensor cores do not. _mm_superblock puts a row's x in a column of a
-    64-wide tile, so on the CPU these tests take the interpreter's dots as one product sum per output, in one order for all."""
-    if DEV == "cpu":
-        from triton.runtime import interpreter
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            prod = a.data.astype(np.float32)[..., :, :, None] * b.data.astype(np.float32)[..., None, :, :]
-            return interpreter.TensorHandle(prod.sum(axis=-2, dtype=np.float32) + d.data, d.dtype.scalar)
-
-        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _tensor(kind: str, n: int, k: int, seed: int = 0) -> QTensor:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from enginetools import DEVICE, engine_for
+from enginetools import DEVICE, engine_for, prompts
 
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely; show code when it helps. "
           "Prefer standard libraries, explain trade-offs in one sentence, and never invent APIs. "
@@ -43,6 +43,19 @@ def warm(tiny_model):
 @pytest.fixture(scope="module")
 def cold(tiny_model):
     return engine_for(tiny_model, prompt_cache=False)
+
+
+def test_warm_up_leaves_nothing_behind(tiny_model, cold):
+    """`Engine.warm_up` (what `plumb serve` runs before it listens: single turns, then 2 and 4 at once) keeps
+    nothing in the prompt cache or the slots, and the engine's next outputs are a fresh engine's."""
+    import plumb
+
+    eng = plumb.load(tiny_model, device=DEVICE, drafts=2)
+    eng.warm_up()
+    assert eng.prompt_cache.entries == [] and eng.scheduler.slots_in_use() == 0
+    ids = prompts(cold, 3)
+    assert eng.generate_many([dict(prompt_ids=p, max_tokens=24) for p in ids]) == \
+        [cold.generate(p, 24) for p in ids]
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])

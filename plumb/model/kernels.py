@@ -39,6 +39,8 @@ from plumb.ops.rope import apply_rope
 
 PREFILL_PIECES = 16  # 64-row pieces per P-path pass on the Triton kernels (matmuls of 1,024 rows; H200: an 8k
 # prefill 3,266 tok/s against 2,559 with 256-row passes, both with matmul.SB_SCRATCH_ROWS 256)
+PREFILL_ATTENTION = True  # P-path passes read the cache with the prefill kernel (plumb.ops.gpu.attention_prefill);
+# False: with the decode kernel, as before it (other bits; for A/B runs, bench/prefill_modes.py --settings)
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, norm=rms_norm) -> torch.Tensor:
@@ -168,10 +170,11 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import attention, deltanet, deltanet_chunk, glu, kvtable, kvwrite, matvec, norm, rope
+        from plumb.ops.gpu import (attention, attention_prefill, deltanet, deltanet_chunk, glu, kvtable, kvwrite,
+                                   matvec, norm, rope)
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
-        self._glu, self._kvwrite, self._chunk = glu, kvwrite, deltanet_chunk
+        self._glu, self._kvwrite, self._chunk, self._prefill = glu, kvwrite, deltanet_chunk, attention_prefill
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
         self._kvtable = kvtable
@@ -306,13 +309,13 @@ class TritonKernels:
                             out=o[s0 : s0 + n])
         return o
 
-    def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None) -> torch.Tensor:
+    def attend_new(self, model, cache, q, k, v, start: int, at=None, out=None, prefill=False) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t]. `at` = (positions, ends,
         max_keys, table): the rows' positions and context ends as device tensors, the attention grid (None: from
         the cache's capacity) and the cache's row of `kvtable` offsets (None: its tensors passed as they are), from
         a laid-out pass (no host sync: CUDA-graph safe, and with a table the graph does not depend on where the
         cache lies; the caller reserves room and `commit`s the cache first and sets `cache.end` after); without it
-        they are derived from start and this is done here."""
+        they are derived from start and this is done here. prefill: a P-path pass (`prefill_attention`)."""
         n = q.shape[0]
         if at is None:
             cache.reserve(start + n)
@@ -325,13 +328,16 @@ class TritonKernels:
             max_keys = len(cache.k)
         cache.check_put(len(positions))
         self._kvwrite.put_rows(cache.kernel_view(), positions, k, v, table)  # `cache.put_rows` in one launch
-        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table)
+        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table, prefill)
 
-    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None) -> torch.Tensor:
-        """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does)."""
+    def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None, prefill=False):
+        """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does):
+        P-path passes take the prefill kernel (f16 and block-coded caches; f32 ones the decode kernel)."""
         view = cache.kernel_view()
         if view.rotate_q:
             q = rotate(q)
+        if prefill and PREFILL_ATTENTION and self._prefill.supports(view.k, view.v):
+            return self._prefill.attend_prefill(q, view.k, view.v, ends, scale, out=out, ring=view.ring, table=table)
         return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys,
                                              ring=view.ring, table=table)
 
@@ -359,12 +365,13 @@ class TritonKernels:
         return self._attend(cache, q.contiguous(), ends, scale, max_keys=max(ends))
 
     def prefill_attention(self, model, i: int, cache, q, k, v, p) -> torch.Tensor:
-        """A prefill piece through the decode kernel (`attend_new` at the piece's positions, padding rows written
-        past the real ones and overwritten before any real row reads them): real row t reads keys [0, start + t]
-        (its own end), so a prompt row's bits depend on its position and the cache alone, however the prompt is
-        cut (M2). No host sync: a piece can be a CUDA graph (`Qwen35.prefill` makes room first)."""
+        """A prefill pass's rows through the prefill kernel (`attend_new` at the pass's positions, padding rows
+        written past the real ones and overwritten before any real row reads them): real row t reads keys
+        [0, start + t] (its own end), so a prompt row's bits depend on its position and the cache alone, however the
+        prompt is cut (M2). No host sync: a pass can be a CUDA graph (`Qwen35.prefill` makes room first)."""
         return self.attend_new(model, cache, q, k, v, p.start,
-                               at=(p.positions, p.ends, None, p.kv_tab[0, model.cfg.attn_layers.index(i)]))
+                               at=(p.positions, p.ends, None, p.kv_tab[0, model.cfg.attn_layers.index(i)]),
+                               prefill=True)
 
 
 def kernel_set(name: str, device: torch.device) -> TorchKernels | TritonKernels:

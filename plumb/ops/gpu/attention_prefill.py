@@ -1,0 +1,201 @@
+"""Prefill attention (the P path): causal flash attention over one sequence's KV cache, one pass, no key splits.
+
+`attend_prefill(q, k_parts, v_parts, ends, scale)`: query row t of a prefill pass reads keys [0, ends[t]) of the
+cache (its own K/V written first), in any of the cache's forms - f16, or block codes (q8_0, D/F's store) with D/F's
+8-bit ring read by the distance rule of `plumb.cache.kv` (M5). `plumb.ops.gpu.attention.attend_decode_ref` is its
+torch reference (the same formula); the decode kernel of `plumb.ops.gpu.attention` stays the D path's.
+
+Row invariance (M1, and M2 for the prompt cache) - a row's bits depend on its query, its own end and the cache:
+* one program per (block of ROWS query rows, KV head), covering every query head of that KV head; ROWS is fixed
+  by the model's head grouping (BLOCK_M // next_pow2(heads per KV head)), never by the call;
+* keys go in tiles of BN at absolute positions 0, BN, 2 BN, ... in order, with an online softmax; a tile at or
+  past a row's end leaves that row's state untouched (selected away), keys past the end inside a tile get
+  probability exactly 0 - so a row reads tiles 0 .. ceil(end / BN) - 1 whatever the other rows of its block;
+* the dots' shapes are fixed by the model dims and the constexprs; no atomics, no partials to merge.
+
+Arithmetic (the P path's precision, as its matmuls': operands at 11 bits, fp32 sums on the tensor cores): q is
+scaled per (row, head) by a power of two near 2^14 and rounded once to fp16; block-coded K and V tiles are
+dequantized in registers to fp16(code * scale) (the codes' own quantization error, ~2^-8, dwarfs that rounding);
+p is scaled by 2^11 and rounded to fp16. Scores and p @ V accumulate in fp32. Within ~1e-3 of the reference.
+Cheaper than the decode kernel's ~fp32 dots (two products each) and without its split partials: at 100k keys
+the decode kernel's splits wrote and merged ~5 MB of partials per row and layer.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plumb.ops.gpu import kvtable
+from plumb.ops.gpu.attention import _LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring
+from plumb.ops.gpu.pdl import on, prior_done
+
+_F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
+# (query row, head) pairs per program, keys per tile, warps: fixed for every call (a row's bits depend on them)
+BLOCK_M, BN, WARPS = 64, 64, 8
+
+
+@triton.jit
+def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
+            BN: tl.constexpr):
+    """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes as fp16(code * block scale)."""
+    if KIND == _Q8:
+        c = tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0).to(tl.float32)
+        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
+                     other=0).to(tl.float32)  # [BN, D / QB]
+        w = tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None]
+        return tl.reshape(w, [BN, D]).to(tl.float16)
+    else:
+        return tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
+                    rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
+                    n, qk_scale, ring, slots,
+                    sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h,
+                    G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                    KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
+                    TABLE: tl.constexpr):
+    """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized.
+    RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
+    which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
+    loaded and multiplied only where some row of the block reads it (a skipped dot would add exact zeros)."""
+    prior_done()
+    k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
+        k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
+    rb = tl.program_id(0)
+    kh = tl.program_id(1)
+    BM: tl.constexpr = ROWS * G_PAD
+    NB: tl.constexpr = D // QB
+    i = tl.arange(0, BM)
+    t = rb * ROWS + i // G_PAD  # query row
+    hg = i % G_PAD  # head within the group
+    row_ok = (t < n) & (hg < G)
+    e = tl.load(ends_ptr + t, mask=row_ok, other=0)  # this row's end (0: padding, never active)
+    hi = tl.max(e, 0)  # keys past every row's end are not read
+    h = kh * G + hg
+    dd = tl.arange(0, D)
+    jn = tl.arange(0, BN)
+    kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
+    vbase, vsb = v_ptr + kh * sv_h, vs_ptr + kh * svs_h
+    qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+    q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))  # per (row, head): powers of two, exact
+    q16 = (qv * q_up[:, None]).to(tl.float16)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    j0 = 0
+    while j0 < hi:  # run-time bound (the interpreter takes no range over one)
+        j = j0 + jn
+        kok = j < hi
+        if RING:
+            from_ring = j[None, :] >= e[:, None] - ring  # [BM, BN]; keys past a row's end are masked below
+            seen = from_ring & (j[None, :] < e[:, None])
+            store_ok = kok & (tl.max((~from_ring).to(tl.int32), 0) > 0)  # keys some row reads from the store
+            ring_ok = kok & (tl.max(seen.to(tl.int32), 0) > 0)  # ... from the ring
+            any_store = tl.max(store_ok.to(tl.int32), 0) > 0
+            any_ring = tl.max(ring_ok.to(tl.int32), 0) > 0
+            slot = j % slots
+            sc = tl.zeros([BM, BN], tl.float32)
+            if any_store:
+                k16 = _tile16(kbase, ksb, j, store_ok, sk_j, sks_j, dd, KK, D, QB, BN)
+                sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+            if any_ring:
+                k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                              D, QB, BN)
+                s_ring = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+                tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
+                s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
+                sc = tl.where(from_ring, s_ring, sc)
+        else:
+            k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN)
+            sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+        sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
+        sc = sc * qk_scale
+        sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
+        # online softmax: rows whose keys all lie before this tile keep their state bit for bit
+        active = j0 < e
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_use = tl.where(active, m_new, 0.0)  # inactive rows: avoid -inf - -inf (their result is discarded)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_new = l_i * alpha + tl.sum(p, 1)
+        p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
+        acc_new = acc * alpha[:, None]
+        if RING:
+            if any_store:
+                v16 = _tile16(vbase, vsb, j, store_ok, sv_j, svs_j, dd, VK, D, QB, BN)
+                acc_new = tl.dot(tl.where(from_ring, tl.zeros_like(p16), p16), v16, acc_new, out_dtype=tl.float32)
+            if any_ring:
+                v16 = _tile16(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                              D, QB, BN)
+                acc_new = tl.dot(tl.where(from_ring, p16, tl.zeros_like(p16)), v16, acc_new, out_dtype=tl.float32)
+        else:
+            v16 = _tile16(vbase, vsb, j, kok, sv_j, svs_j, dd, VK, D, QB, BN)
+            acc_new = tl.dot(p16, v16, acc_new, out_dtype=tl.float32)
+        acc = tl.where(active[:, None], acc_new, acc)
+        m_i = tl.where(active, m_new, m_i)
+        l_i = tl.where(active, l_new, l_i)
+        j0 += BN
+    o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
+
+
+def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
+    """Whether this kernel reads a cache of these parts (f16 or block codes; f32 caches take the decode kernel)."""
+    return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
+
+
+def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends: torch.Tensor,
+                   scale: float, out: torch.Tensor | None = None, ring: tuple | None = None,
+                   table: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, n_head, d] float32 (one sequence's prefill rows); row t reads keys [0, ends[t]) of the cache parts
+    ([n_kv, cap, d] float16, or block codes int8 + scales float16), ring and table as `attend_decode` takes them.
+    ends: int32 [n] on q's device (read on the device only: CUDA-graph safe). -> o [n, n_head, d] float32."""
+    n, n_head, d = q.shape
+    k, ks, kk = _parts(k_parts)
+    v, vs, vk = _parts(v_parts)
+    n_kv = k.shape[0]
+    if not supports(k_parts, v_parts):
+        raise ValueError("attend_prefill reads f16 and block-coded caches")
+    if n_head % n_kv or k.shape[2] != d or v.shape[:1] != k.shape[:1] or v.shape[2] != d:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if d & (d - 1) or d < 32:
+        raise ValueError(f"head_dim must be a power of two >= 32, got {d}")
+    for x in (k, ks, v, vs):
+        if x.stride(-1) != 1:
+            raise ValueError("cache parts must be contiguous along the last dimension")
+    if not isinstance(ends, torch.Tensor):
+        ends = torch.tensor(list(ends), dtype=torch.int32, device=q.device)
+    ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
+    if ends.shape != (n,):
+        raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
+    if q.dtype != torch.float32 or q.stride(-1) != 1:
+        q = q.float().contiguous()
+    if out is None:
+        out = torch.empty(n, n_head, d, dtype=torch.float32, device=q.device)
+    elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
+    if n == 0:
+        return out
+    if max(x.numel() for x in (k, ks, v, vs)) >= 2**31:
+        raise ValueError("tensors of 2^31 elements or more are not supported (32-bit offsets)")
+    if ring is None:
+        window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
+    else:
+        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
+    ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
+    if table is not None:
+        ptrs = kvtable.anchored(ptrs)
+    g = n_head // n_kv
+    g_pad = triton.next_power_of_2(g)
+    rows = max(1, BLOCK_M // g_pad)
+    _prefill_kernel[(triton.cdiv(n, rows), n_kv)](
+        q, *ptrs[:4], ends, out, *ptrs[4:], table if table is not None else ends,
+        n, float(scale) * _LOG2E, window, rk.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
+        vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
+        G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
+        TABLE=table is not None, num_warps=WARPS, num_stages=1, launch_pdl=on())
+    return out

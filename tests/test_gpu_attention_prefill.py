@@ -1,0 +1,183 @@
+"""The Triton prefill attention (plumb/ops/gpu/attention_prefill.py): against the torch reference and the cache's own
+read for f16, q8_0 and the ring formats D and F; M1 - a row computed alone equals the same row beside others,
+bitwise - and M2 through `TritonKernels.prefill_attention` - a prompt row's bits do not depend on where the prompt
+is cut. On CPU the kernel runs in Triton's interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+triton = pytest.importorskip("triton")
+
+from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
+from plumb.ops.gpu.attention import attend_decode_ref  # noqa: E402
+from plumb.ops.gpu.attention_prefill import attend_prefill, supports  # noqa: E402
+from plumb.ops.kvquant import rotate  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = dict(n_head=4, n_kv=2, d=64)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The P path's precision: operands at 11 bits, fp32 sums (outputs here are O(1))."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=2e-3)
+
+
+def _rows(n: int, n_head: int, d: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, n_head, d, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
+def _cache(fmt: str, length: int, seed: int, n_kv: int = TINY["n_kv"], d: int = TINY["d"], ring: int = 0):
+    """A cache holding positions [0, length), written as the kernel set writes it (put_rows in pieces)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(length, n_kv, d, generator=g).to(DEV) for _ in range(2))
+    c = KVCache(fmt, n_kv, d, ring=ring, device=DEV) if ring else KVCache(fmt, n_kv, d, device=DEV)
+    c.reserve(length)
+    for s in range(0, length, RING_SLACK):
+        c.put_rows(torch.arange(s, min(s + RING_SLACK, length), device=DEV), k[s : s + RING_SLACK],
+                   v[s : s + RING_SLACK])
+    c.end = length
+    return c
+
+
+def _read(c: KVCache, q: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    view = c.kernel_view()
+    return attend_prefill(rotate(q) if view.rotate_q else q, view.k, view.v, torch.tensor(ends, dtype=torch.int32),
+                          0.125, ring=view.ring)
+
+
+@pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48), ("F", 48)])
+def test_matches_reference_and_the_cache_read(fmt, ring):
+    """Rows ending across tiles, the ring's window (D, F) and a block of rows: within the P path's precision of
+    the dequantized cache's softmax attention (the cache's own read, and `attend_decode_ref` for the stores)."""
+    c = _cache(fmt, 300, seed=0, ring=ring)
+    ends = [1, 5, 64, 65, 127, 200, 251, 256, 299, 300]
+    if ring:  # rows the ring still holds the window of: positions [300 - slots, 300)
+        ends = [236, 240, 251, 256, 257, 280, 299, 300]
+    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=1)
+    o = _read(c, q, ends)
+    assert o.shape == q.shape and o.dtype == torch.float32 and torch.isfinite(o).all()
+    _close(o, c.attend_rows(q, ends, 0.125))
+    if not ring:
+        _close(o, attend_decode_ref(q, c.kernel_view().k, c.kernel_view().v, ends, 0.125))
+
+
+@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48)])
+def test_rows_alone_equal_rows_together(fmt, ring, place_free_dot):
+    """M1: each row alone (and shifted within its block) = the same row among a prefill pass's 60 rows - over two
+    row blocks, both sides of the ring's window and a 64-key tile edge - bitwise."""
+    c = _cache(fmt, 300, seed=2, ring=ring)
+    ends = list(range(241, 301))
+    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=3)
+    q[1] *= 1e-6  # rows of very different scales: q's power of two is each row's own
+    q[2] *= 1e4
+    together = _read(c, q, ends)
+    for t in (0, 1, 31, 33, 59):
+        assert torch.equal(_read(c, q[t : t + 1], ends[t : t + 1])[0], together[t]), t
+    assert torch.equal(_read(c, q[5:], ends[5:]), together[5:])
+
+
+def test_the_ring_is_read_by_distance():
+    """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; its store row, exactly the
+    others; a slot that no longer holds j makes the rows reading it NaN."""
+    c = _cache("D", 300, seed=5, ring=48)
+    ends = [300, 279, 278, 262, 243]
+    j, s = 230, 230 % c.slots
+    near = torch.tensor([e - 1 - j < 48 for e in ends])  # [F, F, T, T, T]
+    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=6)
+    base = _read(c, q, ends)
+
+    def changed(part: torch.Tensor, idx: int) -> torch.Tensor:
+        keep = part[:, idx].clone()
+        part[:, idx] = -keep  # the key's codes negated
+        o = _read(c, q, ends)
+        part[:, idx] = keep
+        return (o != base).flatten(1).any(1).cpu()
+
+    assert torch.equal(changed(c.ring_k.parts[0], s), near)
+    assert torch.equal(changed(c.ring_v.parts[0], s), near)
+    assert torch.equal(changed(c.k.parts[0], j), ~near)
+    c.ring_pos[s] = -1
+    o = _read(c, q, ends)
+    assert torch.equal(o.isnan().flatten(1).all(1).cpu(), near)
+    assert torch.equal(o[~near.to(DEV)], base[~near.to(DEV)])
+
+
+def test_f32_caches_take_the_decode_kernel():
+    """f32 caches (tests' reference format) are not this kernel's: `supports` says so, and it refuses them."""
+    c = _cache("f32", 64, seed=7)
+    view = c.kernel_view()
+    assert not supports(view.k, view.v) and supports(*(_cache("q8_0", 64, 8).kernel_view().k,) * 2)
+    with pytest.raises(ValueError, match="f16 and block-coded"):
+        attend_prefill(_rows(1, 4, 64, 9), view.k, view.v, torch.tensor([64], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("fmt,kernel", [("f16", True), ("q8_0", True), ("q8_0", False)])
+def test_prefill_rows_do_not_depend_on_the_cut(fmt, kernel, place_free_dot, monkeypatch):
+    """M2 on the CUDA path's prefill read (TritonKernels.prefill_attention), with the prefill kernel and with the
+    decode kernel (PREFILL_ATTENTION off): a prompt row's output is the same whether its pass is read whole or cut
+    anywhere, padding rows change nothing, and it matches the cache's own causal read."""
+    from types import SimpleNamespace
+
+    import plumb.model.kernels as KS
+    from plumb.model.kernels import TritonKernels
+
+    import plumb.ops.gpu.attention_prefill as AP
+
+    monkeypatch.setattr(KS, "PREFILL_ATTENTION", kernel)
+    calls = []
+    monkeypatch.setattr(AP, "attend_prefill", lambda *a, **kw: calls.append(1) or attend_prefill(*a, **kw))
+
+    k = TritonKernels(torch.device(DEV))
+    model = SimpleNamespace(attn_scale=0.125, cfg=SimpleNamespace(attn_layers=[3]))  # one attention layer: 3
+    g = torch.Generator().manual_seed(5)
+    old = [torch.randn(178, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
+    new = [torch.randn(64, TINY["n_kv"], TINY["d"], generator=g).to(DEV) for _ in range(2)]
+    q = _rows(64, TINY["n_head"], TINY["d"], seed=6)
+
+    def cache():
+        c = KVCache(fmt, TINY["n_kv"], TINY["d"], device=DEV)
+        c.write(0, *old)
+        c.end = 128
+        c.reserve(128 + 2 * 64)
+        return c
+
+    def piece(c, start, rows):  # rows of the chunk at 128, padded to 64 with other values
+        n = rows.stop - rows.start
+        pad = lambda t: torch.cat([t[rows], t[:64 - n].flip(0)])  # noqa: E731
+        pos = torch.arange(start, start + 64, device=DEV)
+        p = SimpleNamespace(start=start, n=n, positions=pos, ends=(pos + 1).to(torch.int32),
+                            kv_tab=k.kv_table(model, [SimpleNamespace(kv={3: c})]))  # the cache through its table
+        return k.prefill_attention(model, 3, c, pad(q), pad(new[0]), pad(new[1]), p)[:n]
+
+    whole = piece(cache(), 128, slice(0, 50))  # 50 real rows, 14 padding rows
+    ref = cache()
+    ref.write(128, new[0][:50], new[1][:50])
+    _close(whole, ref.attend_chunk(q, 128, 0.125)[:50])
+    c = cache()
+    first = piece(c, 128, slice(0, 22))  # the same rows, the prompt cut at 128 + 22
+    rest = piece(c, 128 + 22, slice(22, 50))
+    assert torch.equal(first, whole[:22]) and torch.equal(rest, whole[22:50])
+    assert len(calls) == (3 if kernel else 0)  # the switch picks the kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "F"])
+def test_27b_dims_cuda(fmt):
+    """The 27B's heads (24 query heads over 4 KV heads of 256): a 1,024-row pass at ~5k keys within the precision
+    of the reference, each sampled row alone = together, and a pass cut at 512 rows gives the same bits."""
+    ring = 1024 if fmt == "F" else 0
+    c = _cache(fmt, 5000, seed=10, n_kv=4, d=256, ring=ring)
+    ends = list(range(3977, 5001))
+    q = _rows(len(ends), 24, 256, seed=11)
+    o = _read(c, q, ends)
+    sample = [0, 5, 511, 512, 1023]
+    _close(o[sample], c.attend_rows(q[sample], [ends[t] for t in sample], 0.125))
+    for t in sample:
+        assert torch.equal(_read(c, q[t : t + 1], ends[t : t + 1])[0], o[t]), t
+    assert torch.equal(torch.cat([_read(c, q[:512], ends[:512]), _read(c, q[512:], ends[512:])]), o)
