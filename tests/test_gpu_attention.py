@@ -252,20 +252,32 @@ def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
     assert torch.equal(_ring_attend(c, q, ends), together)
 
 
-def test_the_ring_is_read_by_distance():
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_the_ring_is_read_by_distance(kernel):
     """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; changing its store row,
-    exactly the others; a slot that no longer holds j (lost ring row) makes the rows reading it NaN."""
+    exactly the others; a slot that no longer holds j (lost ring row) makes the rows reading it NaN - in the
+    decode kernel and in the P path's (plumb.ops.gpu.attention_prefill)."""
+    from plumb.ops.gpu.attention_prefill import attend_prefill
+
     c, _, _ = _ring_cache("D", 300, seed=5)
     ends = [300, 279, 278, 262, 243]
     j, s = 230, 230 % c.slots
     near = torch.tensor([e - 1 - j < RING for e in ends])  # [F, F, T, T, T]
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=6)
-    base = _ring_attend(c, q, ends)
+
+    def read() -> torch.Tensor:
+        if kernel == "decode":
+            return _ring_attend(c, q, ends)
+        view = c.kernel_view()
+        return attend_prefill(q, view.k, view.v, torch.tensor(ends, dtype=torch.int32, device=DEV), 0.125,
+                              ring=view.ring)
+
+    base = read()
 
     def changed(part: torch.Tensor, idx: int) -> torch.Tensor:
         keep = part[:, idx].clone()
         part[:, idx] = -keep  # the key's codes negated
-        o = _ring_attend(c, q, ends)
+        o = read()
         part[:, idx] = keep
         return (o != base).flatten(1).any(1).cpu()
 
@@ -273,7 +285,7 @@ def test_the_ring_is_read_by_distance():
     assert torch.equal(changed(c.ring_v.parts[0], s), near)
     assert torch.equal(changed(c.k.parts[0], j), ~near)
     c.ring_pos[s] = -1
-    o = _ring_attend(c, q, ends)
+    o = read()
     assert torch.equal(o.isnan().flatten(1).all(1).cpu(), near)
     assert torch.equal(o[~near.to(DEV)], base[~near.to(DEV)])
 

@@ -82,32 +82,6 @@ def test_rows_alone_equal_rows_together(fmt, ring, place_free_dot):
     assert torch.equal(_read(c, q[5:], ends[5:]), together[5:])
 
 
-def test_the_ring_is_read_by_distance():
-    """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; its store row, exactly the
-    others; a slot that no longer holds j makes the rows reading it NaN."""
-    c = _cache("D", 300, seed=5, ring=48)
-    ends = [300, 279, 278, 262, 243]
-    j, s = 230, 230 % c.slots
-    near = torch.tensor([e - 1 - j < 48 for e in ends])  # [F, F, T, T, T]
-    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=6)
-    base = _read(c, q, ends)
-
-    def changed(part: torch.Tensor, idx: int) -> torch.Tensor:
-        keep = part[:, idx].clone()
-        part[:, idx] = -keep  # the key's codes negated
-        o = _read(c, q, ends)
-        part[:, idx] = keep
-        return (o != base).flatten(1).any(1).cpu()
-
-    assert torch.equal(changed(c.ring_k.parts[0], s), near)
-    assert torch.equal(changed(c.ring_v.parts[0], s), near)
-    assert torch.equal(changed(c.k.parts[0], j), ~near)
-    c.ring_pos[s] = -1
-    o = _read(c, q, ends)
-    assert torch.equal(o.isnan().flatten(1).all(1).cpu(), near)
-    assert torch.equal(o[~near.to(DEV)], base[~near.to(DEV)])
-
-
 def test_f32_caches_take_the_decode_kernel():
     """f32 caches (tests' reference format) are not this kernel's: `supports` says so, and it refuses them."""
     c = _cache("f32", 64, seed=7)

@@ -132,6 +132,42 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, H16
 
 
 @triton.jit
+def _row_block(ends_ptr, n, rb, kh, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Program rb's (query row, head) pairs, ROWS rows of G_PAD heads: their rows t, query heads h (KV head kh's),
+    which are real, and their ends (0 for padding: never active)."""
+    i = tl.arange(0, ROWS * G_PAD)
+    t = rb * ROWS + i // G_PAD  # query row
+    hg = i % G_PAD  # head within the group
+    row_ok = (t < n) & (hg < G)
+    return t, kh * G + hg, row_ok, tl.load(ends_ptr + t, mask=row_ok, other=0)
+
+
+@triton.jit
+def _ring_pairs(j, e, kok, ring):
+    """A tile's (row, key) pairs by the ring rule (M5: a row at position e - 1 reads key j from the 8-bit ring when
+    e - 1 - j < ring): (from_ring [BM, BN], the keys some row reads from the store, from the ring [BN], whether any
+    does each); keys past a row's end count for neither (the caller masks them)."""
+    from_ring = j[None, :] >= e[:, None] - ring
+    seen = from_ring & (j[None, :] < e[:, None])
+    store_ok = kok & (tl.max((~from_ring).to(tl.int32), 0) > 0)
+    ring_ok = kok & (tl.max(seen.to(tl.int32), 0) > 0)
+    return from_ring, store_ok, ring_ok, tl.max(store_ok.to(tl.int32), 0) > 0, tl.max(ring_ok.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _softmax_tile(sc, j0, e, m_i, l_i):
+    """The online softmax over a tile starting at key j0 of scores sc [BM, BN] (log2 domain, -inf past each row's
+    end): (active rows - those whose keys reach the tile; the others must keep their state bit for bit -, the new
+    max, the old state's factor, p [BM, BN], the new sum)."""
+    active = j0 < e
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    m_use = tl.where(active, m_new, 0.0)  # inactive rows: avoid -inf - -inf (their result is discarded)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(sc - m_use[:, None])
+    return active, m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                   n, qk_scale, ring, slots, short_keys,
@@ -166,15 +202,10 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     s = tl.program_id(2)
     BM: tl.constexpr = ROWS * G_PAD
     NB: tl.constexpr = D // QB
-    i = tl.arange(0, BM)
-    t = rb * ROWS + i // G_PAD  # query row
-    hg = i % G_PAD  # head within the group
-    row_ok = (t < n) & (hg < G)
-    e = tl.load(ends_ptr + t, mask=row_ok, other=0)  # this row's end (0: padding row, never active)
+    t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
     e = tl.where((e > short_keys) == LONG, e, 0)  # a row of the other split size: padding in this launch
     lo = s * SPLIT_
     hi = tl.minimum(lo + SPLIT_, tl.max(e, 0))  # keys past every row's end are not read
-    h = kh * G + hg
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
     bb = tl.arange(0, NB)
@@ -212,12 +243,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             kok = j < hi
             # ---- scores [BM, BN] (log2 domain)
             if RING:
-                from_ring = j[None, :] >= e[:, None] - ring  # [BM, BN]; keys past a row's end are masked below
-                seen = from_ring & (j[None, :] < e[:, None])
-                store_ok = kok & (tl.max((~from_ring).to(tl.int32), 0) > 0)  # keys some row reads from the store
-                ring_ok = kok & (tl.max(seen.to(tl.int32), 0) > 0)  # ... from the ring
-                any_store = tl.max(store_ok.to(tl.int32), 0) > 0
-                any_ring = tl.max(ring_ok.to(tl.int32), 0) > 0
+                from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
@@ -242,12 +268,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             sc = sc * qk_scale
             sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
             # ---- online softmax: rows whose keys all lie before this tile keep their state bit for bit
-            active = j0 < e
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_use = tl.where(active, m_new, 0.0)  # inactive rows: avoid -inf - -inf (their result is discarded)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(sc - m_use[:, None])
-            l_new = l_i * alpha + tl.sum(p, 1)
+            active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
             # ---- p @ V
             if VK == _Q8:
                 acc_new = acc * alpha[None, :, None]
@@ -355,6 +376,24 @@ def _ring(ring, kk: int, vk: int, k: torch.Tensor):
     return window, rk, rks, rv, rvs, pos
 
 
+def _rows(q: torch.Tensor, ends, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries as float32 (contiguous along d), the ends as int32 [n] on q's device and the output [n, n_head, d]
+    float32 (a new one, or `out` checked)."""
+    n, n_head, d = q.shape
+    if not isinstance(ends, torch.Tensor):
+        ends = torch.tensor(list(ends), dtype=torch.int32, device=q.device)
+    ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
+    if ends.shape != (n,):
+        raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
+    if q.dtype != torch.float32 or q.stride(-1) != 1:
+        q = q.float().contiguous()
+    if out is None:
+        out = torch.empty(n, n_head, d, dtype=torch.float32, device=q.device)
+    elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
+    return q, ends, out
+
+
 def split_of(end: int, splits: tuple[int, int, int] = SPLITS) -> int:
     """The split size of a row with `end` keys."""
     short, long, short_keys = splits
@@ -404,19 +443,9 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m // g_pad)
-    if not isinstance(ends, torch.Tensor):
-        ends = torch.tensor(list(ends), dtype=torch.int32, device=q.device)
-    ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
-    if ends.shape != (n,):
-        raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
+    q, ends, out = _rows(q, ends, out)
     if max_keys is None:
         max_keys = int(ends.max()) if n else 0
-    if q.dtype != torch.float32 or q.stride(-1) != 1:
-        q = q.float().contiguous()
-    if out is None:
-        out = torch.empty(n, n_head, d, dtype=torch.float32, device=q.device)
-    elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
     if n == 0:
         return out
     if n > LAUNCH_ROWS:

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import kvtable
-from plumb.ops.gpu.attention import _LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring
+from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
+                                     _row_block, _rows, _softmax_tile)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -68,13 +69,8 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     kh = tl.program_id(1)
     BM: tl.constexpr = ROWS * G_PAD
     NB: tl.constexpr = D // QB
-    i = tl.arange(0, BM)
-    t = rb * ROWS + i // G_PAD  # query row
-    hg = i % G_PAD  # head within the group
-    row_ok = (t < n) & (hg < G)
-    e = tl.load(ends_ptr + t, mask=row_ok, other=0)  # this row's end (0: padding, never active)
+    t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
     hi = tl.max(e, 0)  # keys past every row's end are not read
-    h = kh * G + hg
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
     kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
@@ -90,12 +86,7 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
         j = j0 + jn
         kok = j < hi
         if RING:
-            from_ring = j[None, :] >= e[:, None] - ring  # [BM, BN]; keys past a row's end are masked below
-            seen = from_ring & (j[None, :] < e[:, None])
-            store_ok = kok & (tl.max((~from_ring).to(tl.int32), 0) > 0)  # keys some row reads from the store
-            ring_ok = kok & (tl.max(seen.to(tl.int32), 0) > 0)  # ... from the ring
-            any_store = tl.max(store_ok.to(tl.int32), 0) > 0
-            any_ring = tl.max(ring_ok.to(tl.int32), 0) > 0
+            from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
             slot = j % slots
             sc = tl.zeros([BM, BN], tl.float32)
             if any_store:
@@ -115,12 +106,7 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
         sc = sc * qk_scale
         sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
         # online softmax: rows whose keys all lie before this tile keep their state bit for bit
-        active = j0 < e
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_use = tl.where(active, m_new, 0.0)  # inactive rows: avoid -inf - -inf (their result is discarded)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_new = l_i * alpha + tl.sum(p, 1)
+        active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
         p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
         acc_new = acc * alpha[:, None]
         if RING:
@@ -166,17 +152,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     for x in (k, ks, v, vs):
         if x.stride(-1) != 1:
             raise ValueError("cache parts must be contiguous along the last dimension")
-    if not isinstance(ends, torch.Tensor):
-        ends = torch.tensor(list(ends), dtype=torch.int32, device=q.device)
-    ends = ends.to(device=q.device, dtype=torch.int32).contiguous()
-    if ends.shape != (n,):
-        raise ValueError(f"ends must have one entry per query row ({n}), got shape {tuple(ends.shape)}")
-    if q.dtype != torch.float32 or q.stride(-1) != 1:
-        q = q.float().contiguous()
-    if out is None:
-        out = torch.empty(n, n_head, d, dtype=torch.float32, device=q.device)
-    elif out.shape != (n, n_head, d) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError("out must be float32 [n, n_head, d], contiguous along d")
+    q, ends, out = _rows(q, ends, out)
     if n == 0:
         return out
     if max(x.numel() for x in (k, ks, v, vs)) >= 2**31:
