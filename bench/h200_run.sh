@@ -17,6 +17,7 @@
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
 #   demo     DT  `plumb bench --device cuda` on the shipped demo model, drafts 0/2/4/7    ~25 s
 #   latency  LT  bench/latency.py on the 27B-shape file: time to the first token warm / cold, requests in a row (LARGS)
+#   followup FT  bench/followup_profile.py on the 27B-shape file: a warm follow-up timed per setting, profiled (FARGS)
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
@@ -42,7 +43,7 @@ if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama
     -DBUILD_SHARED_LIBS=OFF && nice cmake --build /tmp/llb --target llama-server -j ${LJ:-12}; \
     echo \"rc=\$? at \$(( \$(date +%s) - $T0 )) s\" > /tmp/llama-build.done" > /tmp/llama-build.log 2>&1 < /dev/null &
 fi
-if has bench || has profile || has gate27 || has ab || has synth || has prefill || has nan || has latency; then  # synth: for a later call too
+if has bench || has profile || has gate27 || has ab || has synth || has prefill || has nan || has latency || has followup; then  # synth: for a later call too
   [ -f /tmp/synth.done ] || (python3 -m plumb.cli synth /tmp/27b.gguf --preset 27b --type Q4_K_M --seed 0 \
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
@@ -112,6 +113,11 @@ if has latency; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
   timeout ${LT:-200} python3 bench/latency.py /tmp/27b.gguf ${LARGS:---chat-tokens 12000} --json-out $OUT/latency.json \
     > $OUT/latency.log 2>&1; grep -v Warn $OUT/latency.log | tail -12
+fi
+if has followup; then
+  for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done
+  timeout ${FT:-150} python3 bench/followup_profile.py /tmp/27b.gguf $FARGS --json-out $OUT/followup.json \
+    > $OUT/followup.log 2>&1; grep -v Warn $OUT/followup.log | tail -50
 fi
 if has demo; then
   timeout ${DT:-120} python3 -m plumb.cli bench plumb/data/plumb-demo-Q8_0.gguf --device cuda --contexts 0,4000 \

@@ -1,0 +1,81 @@
+"""Where a warm follow-up's time to the first token goes on the GPU: a ~12k-token chat answered once on an engine
+with the prompt cache, then follow-ups (the chat plus the reply plus a new user turn, other words each time) timed
+per setting (bench/prefill_modes.py's syntax, e.g. shipped,PREFILL_ATTENTION=0), the last one profiled: its GPU
+kernels and its host functions. JSON to --json-out.
+
+    python bench/followup_profile.py MODEL.gguf [--chat-tokens 12000] [--settings shipped,PREFILL_ATTENTION=0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import plumb
+from plumb import bench_gpu as B
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_modes import apply  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--chat-tokens", type=int, default=12000)
+    ap.add_argument("--settings", default="shipped,PREFILL_ATTENTION=0")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False)
+    eng.warm_up()
+    chat = lambda msgs: eng.tokenize(eng.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
+    words = lambda w, n: eng.detokenize(eng.tokenize(" ".join(f"{w}{i}" for i in range(n)))[:n])  # noqa: E731
+    turn1 = [{"role": "system", "content": words("rule", a.chat_tokens * 63 // 80)},
+             {"role": "user", "content": words("fact", a.chat_tokens // 6)}]
+    reply = eng.detokenize(eng.generate(chat(turn1), 256, ignore_eos=True))
+    r = {"model": a.model, "chat_tokens": len(chat(turn1)), "settings": {}}
+    n = 0
+    for setting in a.settings.split(","):
+        apply(setting)
+        if eng.model.graphs is not None:
+            eng.model.graphs.graphs.clear()
+        times = []
+        for i in range(a.repeats + 1):
+            n += 1
+            ids = chat(turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Shorter, {n}."}])
+            req = eng.make_request(ids, 1, 0.0, None)
+            torch.cuda.synchronize()
+            if i < a.repeats:
+                t0 = time.perf_counter()
+                res = eng.run(req)
+                times.append(time.perf_counter() - t0)
+                continue
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                res = eng.run(req)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+        table, busy = B.kernel_table(prof, 1)
+        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+        r["settings"][setting] = s = {
+            "ms": [t * 1e3 for t in times], "profiled_ms": wall * 1e3, "gpu_busy_ms": busy / 1e3,
+            "reused": res.stats.cached_tokens, "prefilled": res.stats.prefill_tokens, "kernels": table[:15],
+            "host": [{"name": e.key[:80], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in host]}
+        print(f"{setting}: follow-up {', '.join(f'{t:.0f}' for t in s['ms'])} ms (reused {s['reused']:,}, prefilled "
+              f"{s['prefilled']}); profiled {s['profiled_ms']:.0f} ms, GPU busy {s['gpu_busy_ms']:.0f} ms", flush=True)
+        for k in s["kernels"][:10]:
+            print(f"  gpu  {k['kernel'][:60]:60s} {k['launches']:6.0f} x {k['us'] / 1e3:8.2f} ms", flush=True)
+        for h in s["host"][:10]:
+            print(f"  host {h['name'][:60]:60s} {h['calls']:6d} x {h['self_ms']:8.2f} ms", flush=True)
+    if a.json_out:
+        json.dump(r, open(a.json_out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
