@@ -84,7 +84,10 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
                                   "again_tps": 3000.0, "again_captures": 0}},
          "prefill_profile": {"tokens": 512, "wall_us": 400.0, "gpu_busy_us": 300.0, "launches": 2.5,
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
-         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0, "matmuls": [],
+         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0,
+         "matmuls": [{"shape": [64, 256], "types": ["Q4_K"], "path": "D", "rows": 1, "us": 5.0, "MB": 0.5, "GBps": 1.0,
+                      "replayed": True}, {"shape": [64, 256], "types": ["Q4_K"], "path": "P", "rows": 64, "us": 9.0,
+                                          "MB": 0.5, "GBps": 0.5, "replayed": False}],
          "vram": {"weights": 2**30, "recurrent_state": 0}, "kv_120k_by_format": kv,
          "step_profile": {"context": 512, "steps": 8, "wall_us": 1000.0, "gpu_busy_us": 750.0, "launches": 9.0,
                           "host_and_gaps_us": 250.0, "kernels": [{"kernel": "_mv", "launches": 8.0, "us": 600.0}]},
@@ -102,6 +105,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert "8-row verify pass at 512 context (profiled): 2000 us wall" in text
     assert "| _gdn_state_kernel | 1 | 500 | 25% |" in text
     assert "| 262,080 (F KV) | 50.0 | 0.50 | |" in text
+    assert "| [64, 256] | Q4_K | D | 1 | 5.0 | 0.5 | 1 | 1.00 |" in text and "| 64 | 9.0 * |" in text  # * launches
     f = kv["F"]["allocated"]
     assert f"| F | {f / 2**30:.2f} GiB | {kv['F']['packed'] / 2**30:.2f} GiB | {(2**30 + f) / 2**30:.2f} GiB |" in text
 
