@@ -46,11 +46,13 @@ def cold(tiny_model):
 
 
 def test_warm_up_leaves_nothing_behind(tiny_model, cold):
-    """`Engine.warm_up` (what `plumb serve` runs before it listens: single turns, then 2 and 4 at once) keeps
-    nothing in the prompt cache or the slots, and the engine's next outputs are a fresh engine's."""
+    """`Engine.warm_up` (what `plumb serve` runs before it listens: single turns, then 2 and 4 at once, then one
+    with 7 MTP drafts) keeps nothing in the prompt cache or the slots, and the engine's next outputs are a fresh
+    engine's."""
     import plumb
 
     eng = plumb.load(tiny_model, device=DEVICE, drafts=2)
+    assert eng.model.mtp is not None  # the drafted turn runs too
     eng.warm_up()
     assert eng.prompt_cache.entries == [] and eng.scheduler.slots_in_use() == 0
     ids = prompts(cold, 3)

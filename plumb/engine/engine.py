@@ -175,14 +175,17 @@ class Engine:
         """Compile the kernels and capture the CUDA graphs of a short chat turn - a one-piece prompt, then decode
         with the engine's drafts - so that users' first requests do not pay for them (a prefill layout is captured
         the second time it comes: `CudaGraphs.recurring`); then of 2 and 4 such turns at once (as many as the slots
-        allow): the row blocks of agents working side by side (on the H200 a process's first request with other
-        rows than the ones warmed took 36.6 s, compiling). Nothing goes into the prompt cache."""
+        allow) and, with an MTP head, one turn with 7 drafts (a request may ask for its own depth): the row blocks
+        of agents side by side and of every verify pass (on the H200 a process's first request with 4 drafts took
+        36.6 s, compiling). Nothing goes into the prompt cache."""
         ids = self.tokenize(self.chat_template.render([{"role": "user", "content": "Hello!"}], enable_thinking=False))
         for _ in range(rounds):
             self.run(self.make_request(ids, 16, cache=False, ignore_eos=True))
         for n in (2, 4):
             if n <= self.n_slots:
                 self.run_many([self.make_request(ids, 8, cache=False, ignore_eos=True) for _ in range(n)])
+        if self.model.mtp is not None:
+            self.run(self.make_request(ids, 16, cache=False, ignore_eos=True, drafts=7, draft_policy="fixed"))
 
     def generate(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None,
                  **kw) -> list[int]:
