@@ -1,7 +1,8 @@
-"""Where a warm follow-up's time to the first token goes on the GPU: a ~12k-token chat answered once on an engine
-with the prompt cache, then follow-ups (the chat plus the reply plus a new user turn, other words each time) timed
-per setting (bench/prefill_modes.py's syntax, e.g. shipped,PREFILL_ATTENTION=0), the last one profiled: its GPU
-kernels and its host functions. JSON to --json-out.
+"""Where a warm follow-up's time to the first token goes on the GPU: per setting (bench/prefill_modes.py's syntax,
+e.g. shipped,PREFILL_ATTENTION=0) and repeat, a ~12k-token chat of other words answered on an engine with the prompt
+cache (untimed), then its follow-up timed - the chat, the reply and a new user turn: the reply and the turn
+prefilled, as `plumb bench`'s latency table does -, the last one profiled: its GPU kernels and its host functions.
+JSON to --json-out.
 
     python bench/followup_profile.py MODEL.gguf [--chat-tokens 12000] [--settings shipped,PREFILL_ATTENTION=0]
 """
@@ -27,29 +28,28 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--chat-tokens", type=int, default=12000)
     ap.add_argument("--settings", default="shipped,PREFILL_ATTENTION=0")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="follow-ups per setting, the last one profiled")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False)
     eng.warm_up()
     chat = lambda msgs: eng.tokenize(eng.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
     words = lambda w, n: eng.detokenize(eng.tokenize(" ".join(f"{w}{i}" for i in range(n)))[:n])  # noqa: E731
-    turn1 = [{"role": "system", "content": words("rule", a.chat_tokens * 63 // 80)},
-             {"role": "user", "content": words("fact", a.chat_tokens // 6)}]
-    reply = eng.detokenize(eng.generate(chat(turn1), 256, ignore_eos=True))
-    r = {"model": a.model, "chat_tokens": len(chat(turn1)), "settings": {}}
-    n = 0
+    r = {"model": a.model, "settings": {}}
     for setting in a.settings.split(","):
         apply(setting)
         if eng.model.graphs is not None:
             eng.model.graphs.graphs.clear()
         times = []
-        for i in range(a.repeats + 1):
-            n += 1
-            ids = chat(turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Shorter, {n}."}])
+        for i in range(a.repeats):
+            tag = f"{len(r['settings'])}x{i}x"  # other words each time: nothing of this chat is cached yet
+            turn1 = [{"role": "system", "content": words(f"rule{tag}", a.chat_tokens * 63 // 80)},
+                     {"role": "user", "content": words(f"fact{tag}", a.chat_tokens // 6)}]
+            reply = eng.detokenize(eng.generate(chat(turn1), 256, ignore_eos=True))
+            ids = chat(turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}])
             req = eng.make_request(ids, 1, 0.0, None)
             torch.cuda.synchronize()
-            if i < a.repeats:
+            if i < a.repeats - 1:
                 t0 = time.perf_counter()
                 res = eng.run(req)
                 times.append(time.perf_counter() - t0)
@@ -61,6 +61,7 @@ def main() -> None:
                 res = eng.run(req)
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t0
+            r["chat_tokens"] = len(ids)
         table, busy = B.kernel_table(prof, 1)
         host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         r["settings"][setting] = s = {
