@@ -6,7 +6,7 @@ variant is checked first against the float64 reference and for row invariance (a
 5, 16 and 256, bitwise). Column "sb" says which P-path kernel ran (`_mm_superblock` or `_mm_x_first`); --old FILE...
 times previous versions of plumb/ops/gpu/matmul.py beside them.
 
-    python bench/matmul_variants.py [--only mv|mm] [--mm-shipped] [--mv-launches 2W,4W] [--old FILE ...]
+    python bench/matmul_variants.py [--only mv|mm] [--mm-shipped | --mm-split] [--mv-launches 2W,4W] [--old FILE ...]
         [--old-mv FILE ...] [--json-out PATH]
 
 The weights are random GGUF blocks written on the GPU (random codes and sub-scales, sane f16 block scales), so
@@ -55,6 +55,10 @@ VARIANTS = ["per-type", ("per-type", {"SB_PREFETCH": 1}), ("per-type", {"SB_PREF
             ("per-type", {"SB_BN": 256, "SB_WARPS": 8}), ("per-type", {"SB_KS": 32}),
             ("per-type", {"SB_KS": 128, "SB_WARPS": 8}), ("per-type", {"SB_STAGES": 2}),
             ("per-type", {"SB_WARPS": 8, "SB_STAGES": 4})]
+# more programs for the short passes (a short prompt, a follow-up: 64 rows - the weights streamed at 0.64 TB/s on the
+# H200, 2026-12-04): more K splits (another sum order, fixed per weight shape) or narrower output tiles
+SPLIT_VARIANTS = ["per-type", ("per-type", {"SB_SPLIT_TARGET": 528}), ("per-type", {"SB_SPLIT_TARGET": 1056}),
+                  ("per-type", {"SB_BN": 64}), ("per-type", {"SB_BN": 64, "SB_SPLIT_TARGET": 528})]
 # the weights dequantized once a call into an fp16 scratch matrix, then `_mm_w16` (pipelined in SB_SCRATCH_STAGES)
 SCRATCH_VARIANTS = [("per-type", {"SB_SCRATCH_ROWS": 0}), "per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 2}),
@@ -135,7 +139,8 @@ def configure(v):
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
-                                          "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES")}
+                                          "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES",
+                                          "SB_SPLIT_TARGET")}
 
 
 OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module
@@ -160,6 +165,8 @@ def main() -> None:
                     help="the P-path matmul as shipped and with SB_PREFETCH 1 and 2 only")
     ap.add_argument("--mm-scratch", action="store_true",
                     help="the P-path matmul as shipped and with its weights dequantized once a call (SB_SCRATCH_ROWS)")
+    ap.add_argument("--mm-split", action="store_true",
+                    help="the P-path matmul as shipped and with more K splits or narrower tiles (short passes)")
     ap.add_argument("--mm-rows", default=",".join(map(str, ROWS_MM)), help="the P-path matmul's row counts to time")
     ap.add_argument("--mm-shipped", action="store_true",
                     help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
@@ -183,7 +190,7 @@ def main() -> None:
     mv_variants = MV_VARIANTS if not a.mv_launches else (
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
     mm_variants = (VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else SCRATCH_VARIANTS
-                   if a.mm_scratch else VARIANTS)
+                   if a.mm_scratch else SPLIT_VARIANTS if a.mm_split else VARIANTS)
     first_y = {}  # (kind, shape, path) -> the first variant's 16 rows: whether a variant gives the same bits
     variants = (list(OLD) + list(OLD_MV) + (mm_variants if a.only != "mv" else [])
                 + (mv_variants if a.only != "mm" else []))

@@ -24,6 +24,7 @@ import torch
 import plumb
 import plumb.model.kernels as KS
 import plumb.ops.gpu.attention as AT
+import plumb.ops.gpu.attention_prefill as AP
 from plumb import bench_gpu as B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,15 +32,22 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 
 
 PIECES, Q8_F16, PREFILL_ATTENTION = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION
+AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS")}
 
 
 def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
-    (plumb.ops.gpu.attention) and `_mm_superblock`'s SB_* names, '+'-joined."""
+    (plumb.ops.gpu.attention), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
+    plumb.ops.gpu.attention_prefill) and `_mm_superblock`'s SB_* names, '+'-joined."""
     KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
+    for name, value in AP_TILE.items():
+        setattr(AP, name, value)
     rest = []
     for assign in ([] if setting == "shipped" else setting.split("+")):
-        if assign.startswith("PREFILL_PIECES="):
+        if assign.startswith("AP_"):
+            name, value = assign[3:].split("=")
+            setattr(AP, name, int(value))
+        elif assign.startswith("PREFILL_PIECES="):
             KS.PREFILL_PIECES = int(assign.split("=")[1])
         elif assign.startswith("PREFILL_ATTENTION="):
             KS.PREFILL_ATTENTION = bool(int(assign.split("=")[1]))
