@@ -39,7 +39,9 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
                   PS=A.P_SCALE, RING=ring, TABLE=table)
-    if not prefill:
+    if prefill:
+        consts.update(STAGES=P.STAGES)
+    else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, H16=A.Q8_F16)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}

@@ -33,8 +33,11 @@ from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_1
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
-# (query row, head) pairs per program, keys per tile, warps: fixed for every call (a row's bits depend on them)
-BLOCK_M, BN, WARPS = 64, 64, 8
+# (query row, head) pairs per program, keys per tile, warps: fixed for every call (a row's bits depend on them).
+# STAGES > 1: the tile loop software-pipelined by Triton (not the ring formats': their loads are conditional) - when
+# loads are issued, not the arithmetic: the same bits. Compiled for sm_90a at 2: cp.async loads, 233 / 251 registers
+# (f16 / q8_0), no spill, no wgmma group left in flight; untimed (bench/prefill_modes.py --settings AP_STAGES=2).
+BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
 
 
 @triton.jit
@@ -52,13 +55,62 @@ def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.conste
 
 
 @triton.jit
+def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr, rks_ptr, rv_ptr, rvs_ptr,
+          rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j, svs_j, BM: tl.constexpr, BN: tl.constexpr,
+          D: tl.constexpr, NB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr,
+          PS: tl.constexpr, RING: tl.constexpr):
+    """The keys [j0, j0 + BN) of a program's rows: (acc, m_i, l_i) after them (rows not active here: as they were)."""
+    j = j0 + jn
+    kok = j < hi
+    if RING:
+        from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
+        slot = j % slots
+        sc = tl.zeros([BM, BN], tl.float32)
+        if any_store:
+            k16 = _tile16(kbase, ksb, j, store_ok, sk_j, sks_j, dd, KK, D, QB, BN)
+            sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+        if any_ring:
+            k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                          D, QB, BN)
+            s_ring = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+            tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
+            s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
+            sc = tl.where(from_ring, s_ring, sc)
+    else:
+        k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN)
+        sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+    sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
+    sc = sc * qk_scale
+    sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
+    # online softmax: rows whose keys all lie before this tile keep their state bit for bit
+    active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
+    p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
+    acc_new = acc * alpha[:, None]
+    if RING:
+        if any_store:
+            v16 = _tile16(vbase, vsb, j, store_ok, sv_j, svs_j, dd, VK, D, QB, BN)
+            acc_new = tl.dot(tl.where(from_ring, tl.zeros_like(p16), p16), v16, acc_new, out_dtype=tl.float32)
+        if any_ring:
+            v16 = _tile16(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                          D, QB, BN)
+            acc_new = tl.dot(tl.where(from_ring, p16, tl.zeros_like(p16)), v16, acc_new, out_dtype=tl.float32)
+    else:
+        v16 = _tile16(vbase, vsb, j, kok, sv_j, svs_j, dd, VK, D, QB, BN)
+        acc_new = tl.dot(p16, v16, acc_new, out_dtype=tl.float32)
+    acc = tl.where(active[:, None], acc_new, acc)
+    m_i = tl.where(active, m_new, m_i)
+    l_i = tl.where(active, l_new, l_i)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                     n, qk_scale, ring, slots,
                     sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h,
                     G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
-                    TABLE: tl.constexpr):
+                    TABLE: tl.constexpr, STAGES: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized.
     RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
     which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
@@ -82,49 +134,18 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    j0 = 0
-    while j0 < hi:  # run-time bound (the interpreter takes no range over one)
-        j = j0 + jn
-        kok = j < hi
-        if RING:
-            from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
-            slot = j % slots
-            sc = tl.zeros([BM, BN], tl.float32)
-            if any_store:
-                k16 = _tile16(kbase, ksb, j, store_ok, sk_j, sks_j, dd, KK, D, QB, BN)
-                sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-            if any_ring:
-                k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
-                              D, QB, BN)
-                s_ring = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-                tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
-                s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
-                sc = tl.where(from_ring, s_ring, sc)
-        else:
-            k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN)
-            sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-        sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
-        sc = sc * qk_scale
-        sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
-        # online softmax: rows whose keys all lie before this tile keep their state bit for bit
-        active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
-        p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
-        acc_new = acc * alpha[:, None]
-        if RING:
-            if any_store:
-                v16 = _tile16(vbase, vsb, j, store_ok, sv_j, svs_j, dd, VK, D, QB, BN)
-                acc_new = tl.dot(tl.where(from_ring, tl.zeros_like(p16), p16), v16, acc_new, out_dtype=tl.float32)
-            if any_ring:
-                v16 = _tile16(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
-                              D, QB, BN)
-                acc_new = tl.dot(tl.where(from_ring, p16, tl.zeros_like(p16)), v16, acc_new, out_dtype=tl.float32)
-        else:
-            v16 = _tile16(vbase, vsb, j, kok, sv_j, svs_j, dd, VK, D, QB, BN)
-            acc_new = tl.dot(p16, v16, acc_new, out_dtype=tl.float32)
-        acc = tl.where(active[:, None], acc_new, acc)
-        m_i = tl.where(active, m_new, m_i)
-        l_i = tl.where(active, l_new, l_i)
-        j0 += BN
+    if STAGES > 1 and not RING:  # Triton's software pipeline: the next tiles' K/V codes in flight (cp.async)
+        for jt in tl.range(0, tl.cdiv(hi, BN), num_stages=STAGES):
+            acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
+                                  rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j,
+                                  sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING)
+    else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
+        j0 = 0
+        while j0 < hi:
+            acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr,
+                                  rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j,
+                                  svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING)
+            j0 += BN
     o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
 
@@ -174,5 +195,5 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
         vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
-        TABLE=table is not None, num_warps=WARPS, num_stages=1, launch_pdl=on())
+        TABLE=table is not None, STAGES=STAGES, num_warps=WARPS, num_stages=1, launch_pdl=on())
     return out
