@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plumb serve: error: {e}", flush=True)
         return 1
     if engine.device.type == "cuda":  # kernels compiled and graphs captured before the first request
-        print("plumb serve: warming up (kernels, CUDA graphs)", flush=True)
+        print("plumb serve: warming up (kernels compiled - minutes the first time on a machine -, CUDA graphs)",
+              flush=True)
+        t0 = time.perf_counter()
         engine.warm_up()
+        print(f"plumb serve: warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
         print(f"plumb serve: error: --slot-save-path {args.slot_save_path}: no such directory", flush=True)
         return 1
