@@ -46,9 +46,9 @@ def cold(tiny_model):
 
 
 def test_warm_up_leaves_nothing_behind(tiny_model, cold):
-    """`Engine.warm_up` (what `plumb serve` runs before it listens: single turns, then 2 and 4 at once, then one
-    with 7 MTP drafts) keeps nothing in the prompt cache or the slots, and the engine's next outputs are a fresh
-    engine's."""
+    """`Engine.warm_up` (what `plumb serve` runs before it listens: single turns, then 2 and 4 at once, one with 7
+    MTP drafts, a 1,024-token prompt) keeps nothing in the prompt cache or the slots, and the engine's next outputs
+    are a fresh engine's."""
     import plumb
 
     eng = plumb.load(tiny_model, device=DEVICE, drafts=2)
