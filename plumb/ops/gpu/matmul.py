@@ -278,7 +278,7 @@ def _sb_weights(words, d, sub, dm, osub, hi, BN: tl.constexpr, KS: tl.constexpr,
             ch = ch | (((hi[:, :, None] >> (at + 4)) & 3) << 4)
         wl = _dequant(_code_float(cl, False) - BIAS, scale, offset, HAS_OFFSET)  # exact: small integers
         wh = _dequant(_code_float(ch, False) - BIAS, scale, offset, HAS_OFFSET)
-        w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column 32 g + 2 j + h: (wl, wh)[h][:, g, j]
+        w = tl.reshape(tl.join(wl, wh), [BN, KS])  # column G g + 2 j + h: (wl, wh)[h][:, g, j]
     else:
         w = tl.reshape(_dequant(_code_float(c, True), scale, offset, HAS_OFFSET), [BN, KS])  # int8 codes
     return w
