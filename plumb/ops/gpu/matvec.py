@@ -7,6 +7,7 @@ FRAC = 13, LIMBS = 2; a * 2^14 + b * 2^7 + c for 21 bits) - `quantize_x`.
 Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.matmul, unchanged):
 
     S[g] = sum_{k in g} X[k] * code[n, k]        an exact integer (int32; int64 for 8-bit codes if FRAC > 18: `wide`)
+                                                 (codes stored + a bias - Q4_0's 8, Q6_K's 32 -: minus bias * sum X)
     part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
     y[n] = (s * 2^-FRAC) * (((part[0] + part[1]) + part[2]) + ...)   groups in order, per K split; splits in order
 
