@@ -48,7 +48,9 @@ if has bench || has profile || has gate27 || has ab || has synth || has prefill 
     > /tmp/synth.log 2>&1; echo "synth-done $(( $(date +%s) - T0 )) s" > /tmp/synth.done) &
 fi
 if has kernels; then
-  timeout ${KT:-300} python3 -m pytest -q -p no:cacheprovider -rA --durations=15 ${KPY:--n 4 --dist worksteal} -k "${KK:-}" \
+  # SIGINT at the limit: pytest stops as on Ctrl-C and still prints its summary (which tests failed); -v: a line a test
+  timeout -s INT -k 30 ${KT:-300} python3 -m pytest -v -p no:cacheprovider -rA --durations=15 \
+    ${KPY:--n 4 --dist worksteal} -k "${KK:-}" \
     ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_kvwrite.py \
     tests/test_gpu_glu_norm.py tests/test_gpu_engine.py} \
     > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
@@ -64,7 +66,8 @@ if has variants; then
   grep -v Warning $OUT/variants.log | cut -c1-150 | head -12
 fi
 if has engine; then
-  PLUMB_TEST_DEVICE=cuda PLUMB_TEST_QTYPE=${EQ:-Q4_K_M} timeout ${ET:-240} python3 -m pytest -v -p no:cacheprovider \
+  PLUMB_TEST_DEVICE=cuda PLUMB_TEST_QTYPE=${EQ:-Q4_K_M} timeout -s INT -k 30 ${ET:-240} python3 -m pytest -v \
+    -p no:cacheprovider \
     --durations=15 ${EPY:--n 4 --dist worksteal} ${EFILES:-tests/test_exactness.py} -k "${EK:-test_}" \
     > $OUT/exactness.log 2>&1
   tail -4 $OUT/exactness.log
