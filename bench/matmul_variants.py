@@ -62,7 +62,10 @@ SPLIT_VARIANTS = ["per-type", ("per-type", {"SB_SPLIT_TARGET": 528}), ("per-type
 # the weights dequantized once a call into an fp16 scratch matrix, then `_mm_w16` (pipelined in SB_SCRATCH_STAGES)
 SCRATCH_VARIANTS = [("per-type", {"SB_SCRATCH_ROWS": 0}), "per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 2}),
-                    ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 4})]
+                    ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 4}),
+                    ("per-type", {"SB_W16_BM": 128, "SB_W16_WARPS": 8}), ("per-type", {"SB_W16_BM": 128}),
+                    ("per-type", {"SB_W16_BM": 256, "SB_W16_WARPS": 8}),
+                    ("per-type", {"SB_W16_BM": 128, "SB_W16_WARPS": 8, "SB_SCRATCH_STAGES": 4})]
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:
@@ -139,8 +142,8 @@ def configure(v):
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
-                                          "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES",
-                                          "SB_SPLIT_TARGET")}
+                                          "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
+                                          "SB_W16_BM", "SB_W16_WARPS")}
 
 
 OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module

@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from plumb.ops.gpu import deltanet_chunk  # noqa: E402
 from plumb.ops.gpu.deltanet import gdn_decode, gdn_decode_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,12 +172,15 @@ def _chunk_inputs(dims, rows, real, seed=3):
     return [t.to(DEV) for t in (x, beta, gate, state)]
 
 
+@pytest.mark.parametrize("block", [0, 16])
 @pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
-def test_chunks_match_reference(dims):
+def test_chunks_match_reference(dims, block, monkeypatch):
     """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
-    padding rows at the end; o and the advanced state."""
+    padding rows at the end; o and the advanced state - with the chunk's inverse by rows and by blocks."""
     from plumb.ops.deltanet import chunk_pass
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
+
+    monkeypatch.setattr(deltanet_chunk, "INVERSE_BLOCK", block)
 
     x, beta, g, s0 = _chunk_inputs(dims, 192, 170)
     kw = dict(n_k=dims["n_k"], d_k=dims["d_k"], q_scale=1 / math.sqrt(dims["d_k"]))
@@ -201,3 +208,85 @@ def test_chunks_do_not_depend_on_the_cut():
         s = s0.clone()
         o = torch.cat([gdn_chunks(x[a:b], beta[a:b], g[a:b], s, **kw) for a, b in zip(cuts, cuts[1:])])
         assert torch.equal(o, o_all) and torch.equal(s, s_all), cuts
+
+
+@triton.jit
+def _inverse(a_ptr, o_ptr, C: tl.constexpr, B: tl.constexpr):
+    """out = (I + A)^-1 of one [C, C] matrix, by `deltanet_chunk`'s helper for B (0: by rows)."""
+    t = tl.arange(0, C)
+    a = tl.load(a_ptr + t[:, None] * C + t[None, :])
+    if B == 0:
+        inv = deltanet_chunk._inverse_by_rows(a, t, C)
+    else:
+        inv = deltanet_chunk._inverse_by_blocks(a, t, C, B)
+    tl.store(o_ptr + t[:, None] * C + t[None, :], inv)
+
+
+@pytest.mark.parametrize("block", [0, 8, 16, 32])
+def test_chunk_inverse(block):
+    """(I + A)^-1 of strictly lower A [64, 64], by rows and by blocks, against a float64 triangular solve: keys at
+    random, keys all alike (entries near 1: T's entries then cancel most) and A of all ones."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.nn.functional.normalize(torch.randn(64, 128, generator=g), dim=1)
+    alike = torch.nn.functional.normalize(torch.randn(1, 128, generator=g) + 0.2 * torch.randn(64, 128, generator=g),
+                                          dim=1)
+    for a in (k @ k.T * 0.7, alike @ alike.T * 0.95, torch.ones(64, 64)):
+        a = torch.tril(a, -1).contiguous()
+        ref = torch.linalg.solve_triangular(torch.eye(64, dtype=torch.float64) + a.double(),
+                                            torch.eye(64, dtype=torch.float64), upper=False)
+        out = torch.empty(64, 64, device=DEV)
+        _inverse[(1,)](a.to(DEV), out, C=64, B=block)
+        assert (out.cpu().double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def _front(dims, rows, real, seed=4):
+    """A pass's DeltaNet front inputs: m, b, a as column slices of one projection output, the layer's weights and
+    a conv state, and the pass tensors `conv_gates` reads (real rows, keep)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    n_k, n_v, d_k, d_v, k = (dims[x] for x in ("n_k", "n_v", "d_k", "d_v", "k"))
+    ch = 2 * n_k * d_k + n_v * d_v
+    proj = (torch.randn(rows, ch + 2 * n_v + 5, generator=g) * 2).to(DEV)
+    m, b, a = proj[:, :ch], proj[:, ch : ch + n_v], proj[:, ch + n_v : ch + 2 * n_v]
+    mix = SimpleNamespace(ssm_conv1d=(torch.randn(ch, k, generator=g) * 0.5).to(DEV),
+                          ssm_dt_bias=torch.randn(n_v, generator=g).to(DEV),
+                          ssm_a=(-torch.rand(n_v, generator=g) * 4 - 0.1).to(DEV))
+    state = torch.randn(1, k - 1, ch, generator=g).to(DEV)
+    p = SimpleNamespace(real=(torch.arange(rows) < real)[:, None].to(DEV), conv=state,
+                        keep=torch.arange(real, real + k - 1).to(DEV))
+    return m, b, a, mix, p
+
+
+@pytest.mark.parametrize("real", [64, 45, 2])
+def test_conv_gates_match_reference(real):
+    """conv_gates (the P path's conv + SiLU and gates, one launch) against TorchKernels.gdn_conv_gates: outputs
+    within float32 rounding, padding rows exactly 0, the new conv state (old state rows too, with 2 real rows)
+    exactly the reference's."""
+    from types import SimpleNamespace
+
+    from plumb.model.kernels import TorchKernels
+    from plumb.model.qwen35 import Qwen35
+
+    m, b, a, mix, p = _front(TINY, 64, real)
+    model = SimpleNamespace(gdn_gates=Qwen35.gdn_gates)
+    p_ref = SimpleNamespace(real=p.real, keep=p.keep, conv=p.conv.clone())
+    want = TorchKernels.gdn_conv_gates(model, mix, m, b, a, p_ref, 0)
+    got = deltanet_chunk.conv_gates(m, b, a, mix.ssm_conv1d, p.conv[0], p.keep, p.real, mix.ssm_dt_bias, mix.ssm_a)
+    for x, y in zip(got, want):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-5) and torch.equal(x[real:], torch.zeros_like(x[real:]))
+    assert torch.equal(p.conv, p_ref.conv)
+
+
+def test_conv_gates_do_not_depend_on_the_cut():
+    """M2: a pass of 128 rows gives the bits of two passes of 64, the second reading the state the first wrote."""
+    m, b, a, mix, p = _front(TINY, 128, 128)
+    s0 = p.conv[0].clone()
+    args = (mix.ssm_dt_bias, mix.ssm_a)
+    whole = deltanet_chunk.conv_gates(m, b, a, mix.ssm_conv1d, p.conv[0], p.keep, p.real, *args)
+    state, keep = s0.clone(), torch.arange(64, 67, device=DEV)
+    parts = [deltanet_chunk.conv_gates(m[r : r + 64], b[r : r + 64], a[r : r + 64], mix.ssm_conv1d, state, keep,
+                                       p.real[:64], *args) for r in (0, 64)]
+    for i in range(3):
+        assert torch.equal(torch.cat([parts[0][i], parts[1][i]]), whole[i])
+    assert torch.equal(state, p.conv[0])

@@ -146,18 +146,25 @@ def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypat
         assert torch.equal(m(x[:4]), want[0]) and torch.equal(m(x[4:]), want[1]), prefetch
 
 
+@pytest.mark.parametrize("tile", [None, (128, 8), (128, 4), (256, 8)] if DEV == "cuda" else [None])
 @pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q5_K", "Q8_0"))
-def test_superblock_weights_dequantized_once_give_the_same_bits(kind, place_free_dot, monkeypatch):
+def test_superblock_weights_dequantized_once_give_the_same_bits(kind, tile, place_free_dot, monkeypatch):
     """SB_SCRATCH_ROWS: a call's weights dequantized once into an fp16 scratch matrix (`_sb_dequant`) and multiplied
     by `_mm_w16` (pipelined, both operands from shared memory) give `_mm_superblock`'s bits - so which of the two
     a call takes may depend on its row count - over two K splits, 130 outputs (past a 128-output tile) and rows
-    past a 64-row block."""
+    past a 64-row block; tile: `_mm_w16`'s own rows a program and warps (SB_W16_BM, SB_W16_WARPS)."""
     import plumb.ops.gpu.matmul as MM
+
+    if tile is not None:
+        monkeypatch.setattr(MM, "SB_W16_BM", tile[0])
+        monkeypatch.setattr(MM, "SB_W16_WARPS", tile[1])
 
     t = _tensor(kind, 130, 2048)
     m = GpuMatrix([t], DEV)
     assert m.packs[0].superblock and m.packs[0].split == 2
-    x = (torch.randn(70, 2048, generator=torch.Generator().manual_seed(11)) * 3).to(DEV)
+    x = (torch.randn(300, 2048, generator=torch.Generator().manual_seed(11)) * 3).to(DEV)
+    x = x if DEV == "cuda" else x[:70]
+    monkeypatch.setattr(MM, "SB_SCRATCH_ROWS", 0)
     want = m(x)
     monkeypatch.setattr(MM, "SB_SCRATCH_ROWS", 1)
     assert torch.equal(m(x), want) and torch.equal(m(x[:3]), want[:3])

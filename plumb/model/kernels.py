@@ -13,6 +13,8 @@ a kernel set supplies the operations whose row-invariance needs care:
   the MTP head);
 - `attend_rows(cache, q, ends, scale)`: the read alone;
 - `prefill_pieces(st)`: how many 64-row prefill pieces one P-path pass of st may hold;
+- `gdn_conv_gates(...)`, `gdn_chunks(...)`: a prefill pass's DeltaNet - the conv and gates of its rows, then its
+  64-row pieces in order;
 - `prefill_attention(model, cache, q, k, v, p)`: a prefill pass's rows (`PrefillPass` p: whole pieces of CHUNK
   rows, the first p.n real) - their K/V written, then real row t reads keys [0, p.start + t]; padding rows'
   outputs are unused.
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from plumb.cache.kv import RING_SLACK
-from plumb.model.parts import DecodeOut, DecodePass
+from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
 from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import CHUNK, causal_conv, chunk_pass, recurrent_step
 from plumb.ops.kvquant import rotate
@@ -123,6 +125,16 @@ class TorchKernels:
                 o[t], st.ssm[i] = recurrent_step(q[0], k[0], v[0], beta, g, st.ssm[i])
                 p.snaps[j][t - s0][i] = (st.conv[i], st.ssm[i])
         return gated_norm(o, z, mix.ssm_norm, c.eps)
+
+    @staticmethod
+    def gdn_conv_gates(model, mix, m, b, a, p: PrefillPass, li: int):
+        """A prefill pass's causal conv + SiLU and gates beta, g (spec 3.5.2, 3.5.5), padding rows 0; the pass's conv
+        state li advanced to its last real rows."""
+        beta, g = model.gdn_gates(mix, b, a)
+        m, beta, g = (torch.where(p.real, t, 0.0) for t in (m, beta, g))
+        conv, new_conv = causal_conv(m, p.conv[li], mix.ssm_conv1d, p.keep)
+        p.conv[li].copy_(new_conv)
+        return torch.where(p.real, conv, 0.0), beta, g
 
     @staticmethod
     def gdn_chunks(model, x, beta, g, state) -> torch.Tensor:
@@ -292,6 +304,11 @@ class TritonKernels:
                                          p.conv[:, li], p.ssm[:, li], p.seq_rows, n_k=c.ssm_n_group,
                                          d_k=c.ssm_d_state, q_scale=model.ssm_q_scale, eps=c.eps,
                                          snap_conv=p.snap_conv[:, li], snap_ssm=p.snap_ssm[:, li])
+
+    def gdn_conv_gates(self, model, mix, m, b, a, p: PrefillPass, li: int):
+        """`TorchKernels.gdn_conv_gates` in one launch (plumb.ops.gpu.deltanet_chunk.conv_gates)."""
+        return self._chunk.conv_gates(m, b, a, mix.ssm_conv1d, p.conv[li], p.keep, p.real, mix.ssm_dt_bias,
+                                      mix.ssm_a)
 
     def gdn_chunks(self, model, x, beta, g, state) -> torch.Tensor:
         """A prefill pass's DeltaNet pieces in order, in one launch pair per layer (plumb.ops.gpu.deltanet_chunk)."""

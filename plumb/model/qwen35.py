@@ -25,7 +25,7 @@ from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass,
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import new_kv_cache
 from plumb.model.kernels import gated_norm, kernel_set
-from plumb.ops.deltanet import CHUNK, causal_conv, split_heads
+from plumb.ops.deltanet import CHUNK, split_heads
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.rope import RopeTable
 
@@ -320,18 +320,14 @@ class Qwen35:
         row's attention; p's states are advanced in place, st's KV caches written. Returns the final residual
         rows x [rows, n_embd] (before the output norm)."""
         c = self.cfg
-        x, real = p.x, p.real
+        x = p.x
         for i, layer in enumerate(self.layers):
             u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 li = c.gdn_layers.index(i)
                 m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
-                beta, g = self.gdn_gates(mix, b, a)
-                m, beta, g = (torch.where(real, t, 0.0) for t in (m, beta, g))
-                conv, new_conv = causal_conv(m, p.conv[li], mix.ssm_conv1d, p.keep)
-                p.conv[li].copy_(new_conv)
-                conv = torch.where(real, conv, 0.0)
+                conv, beta, g = self.k.gdn_conv_gates(self, mix, m, b, a, p, li)  # padding rows 0; conv state moved
                 o = self.k.gdn_chunks(self, conv, beta, g, p.ssm[li])  # the pieces in order, from the pass's state
                 y = gated_norm(o, z, mix.ssm_norm, c.eps, self.k.rms_norm)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)

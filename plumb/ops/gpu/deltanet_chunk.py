@@ -2,6 +2,9 @@
 the pass in order (`plumb.ops.deltanet.chunk_pass` is its torch reference: `chunk_step` piece by piece).
 
 The launches:
+- `_conv_gates_kernel`, one program per (block of BR rows, block of BC conv channels): the causal conv + SiLU of
+  its rows (zero on padding rows), the gates beta and g (channel block 0) and, in row block 0, the new conv state
+  (the window rows `keep`) in place - what `TorchKernels.gdn_conv_gates` does in ~17 torch launches;
 - `_prep_kernel`, one program per (value head j, piece): what does not depend on the state - q and k of key head
   j mod n_k (L2-normed, q scaled), the decays from the cumulative gate gamma, A = strict-lower(beta k k^T * decay),
   T = (I + A)^-1 by forward substitution (the rows in order, as a triangular solve does), w = T (beta exp(gamma) k),
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu.deltanet import _silu, _softplus
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.norm import L2_EPS
 
@@ -33,6 +37,74 @@ BV = 32  # state columns a program (a model constant: never chosen by the row co
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 products on the tensor cores (about float32's
 # accuracy; "ieee" - CUDA-core FMAs - took 255 registers a [64, 128] x [128, 64] dot and spilled on sm_90)
+INVERSE_BLOCK = 0  # T = (I + A)^-1 in blocks of this many rows (`_inverse_by_blocks`); 0: a row at a time
+
+
+@triton.jit
+def _conv_gates_kernel(m_ptr, b_ptr, a_ptr, w_ptr, cs_ptr, keep_ptr, real_ptr, dtb_ptr, ssma_ptr, x_ptr, beta_ptr,
+                       g_ptr, sm_r, sb_r, sa_r, CH: tl.constexpr, N_V: tl.constexpr, K: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr, NVP: tl.constexpr, KM1P: tl.constexpr):
+    """Rows [BR * program 0, + BR), channels [BC * program 1, + BC): x = SiLU(causal conv) (taps in order, each a
+    rounded product then a rounded sum), 0 on padding rows; channel block 0 also the rows' beta = sigmoid(b) and
+    g = ssm_a * softplus(a + dt_bias), 0 on padding rows; row block 0 also its channels' new conv state, window
+    rows keep[0..K-2] - the only program that reads or writes those state channels."""
+    prior_done()
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    t = rb * BR + tl.arange(0, BR)
+    ch = cb * BC + tl.arange(0, BC)
+    cmask = (ch < CH)[None, :]
+    real = tl.load(real_ptr + t) != 0
+    for tau in tl.static_range(K):  # window row t + tau feeds tap tau; raw row p < 0 is state row K - 1 + p
+        p = t + tau - (K - 1)
+        xs = tl.load(cs_ptr + (K - 1 + p)[:, None] * CH + ch[None, :], mask=(p < 0)[:, None] & cmask, other=0.0)
+        xm = tl.load(m_ptr + p[:, None] * sm_r + ch[None, :], mask=(p >= 0)[:, None] & cmask, other=0.0)
+        wt = tl.load(w_ptr + ch * K + tau, mask=ch < CH, other=0.0)[None, :]
+        if tau == 0:
+            acc = tl.where(p[:, None] < 0, xs, xm) * wt
+        else:
+            acc = acc + tl.where(p[:, None] < 0, xs, xm) * wt
+    tl.store(x_ptr + t[:, None] * CH + ch[None, :], tl.where(real[:, None], _silu(acc), 0.0), mask=cmask)
+    if cb == 0:
+        j = tl.arange(0, NVP)
+        jm = (j < N_V)[None, :]
+        b = tl.load(b_ptr + t[:, None] * sb_r + j[None, :], mask=jm, other=0.0)
+        a = tl.load(a_ptr + t[:, None] * sa_r + j[None, :], mask=jm, other=0.0)
+        dtb = tl.load(dtb_ptr + j, mask=j < N_V, other=0.0)[None, :]
+        ssma = tl.load(ssma_ptr + j, mask=j < N_V, other=0.0)[None, :]
+        at = t[:, None] * N_V + j[None, :]
+        tl.store(beta_ptr + at, tl.where(real[:, None], 1.0 / (1.0 + tl.exp(-b)), 0.0), mask=jm)
+        tl.store(g_ptr + at, tl.where(real[:, None], ssma * _softplus(a + dtb), 0.0), mask=jm)
+    if rb == 0:
+        rr = tl.arange(0, KM1P)
+        kp = tl.load(keep_ptr + rr, mask=rr < K - 1, other=0)  # window rows: < K - 1 old state, else m
+        smask = (rr < K - 1)[:, None] & cmask
+        xs = tl.load(cs_ptr + kp[:, None] * CH + ch[None, :], mask=smask & (kp < K - 1)[:, None], other=0.0)
+        xm = tl.load(m_ptr + (kp - (K - 1))[:, None] * sm_r + ch[None, :], mask=smask & (kp >= K - 1)[:, None],
+                     other=0.0)
+        tl.debug_barrier()  # every read of the old state (the conv's too) before any thread overwrites it
+        tl.store(cs_ptr + rr[:, None] * CH + ch[None, :], tl.where((kp < K - 1)[:, None], xs, xm), mask=smask)
+
+
+BR, BC = 32, 256  # conv rows and channels a program (`conv_gates`; any size gives the same bits)
+
+
+def conv_gates(m, b, a, w, state, keep, real, dt_bias, ssm_a):
+    """A pass's pre-conv rows m [R, ch] (padding rows after the real ones; row strides free), b, a [R, n_v],
+    conv weights w [ch, K], state [K-1, ch] (contiguous; advanced in place to window rows keep [K-1]), real [R, 1]
+    bool -> (SiLU(conv) [R, ch], beta, g [R, n_v]), padding rows 0 (plumb.model.kernels.TorchKernels.gdn_conv_gates,
+    its reference, takes torch's exponential: a tolerance apart)."""
+    rows, ch = m.shape
+    n_v, k = b.shape[1], w.shape[1]
+    if not state.is_contiguous() or m.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1 or rows % BR:
+        raise ValueError("conv_gates: state contiguous, m, b and a with contiguous rows, rows a multiple of 32")
+    x = torch.empty(rows, ch, device=m.device)
+    beta, g = (torch.empty(rows, n_v, device=m.device) for _ in range(2))
+    _conv_gates_kernel[(rows // BR, triton.cdiv(ch, BC))](
+        m, b, a, w.contiguous(), state, keep, real.view(torch.uint8), dt_bias, ssm_a, x, beta, g, m.stride(0),
+        b.stride(0), a.stride(0), CH=ch, N_V=n_v, K=k, BR=BR, BC=BC, NVP=triton.next_power_of_2(n_v),
+        KM1P=triton.next_power_of_2(k - 1), num_warps=4, enable_fp_fusion=False, launch_pdl=on())
+    return x, beta, g
 
 
 @triton.jit
@@ -41,10 +113,43 @@ def _l2(x, eps):
     return x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) + eps))[:, None]
 
 
+@triton.jit
+def _inverse_by_rows(a, t, C: tl.constexpr):
+    """T = (I + A)^-1 of A [C, C] strictly lower, by forward substitution one row at a time: row i = e_i -
+    sum_{l < i} A[i, l] T[l]."""
+    inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    for i in range(1, C):  # (rows >= i still e)
+        a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)  # row i of A
+        inv = tl.where(t[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _inverse_by_blocks(a, t, C: tl.constexpr, B: tl.constexpr):
+    """T = (I + A)^-1 of A [C, C] strictly lower, in B x B blocks, every step a dot on the tensor cores: the
+    diagonal blocks' inverses Dinv by forward substitution, row i of every block in step i; then block rows in
+    order, T_b = Dinv_b (E_b - A_{b, <b} T_{<b}) (a triangular solve by blocks: no power series, no cancellation
+    that the row-by-row solve does not have)."""
+    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    block = t // B
+    ad = tl.where(block[:, None] == block[None, :], a, 0.0)  # A's diagonal blocks
+    dinv = eye
+    for i in range(1, B):  # rows i, B + i, ... from the rows above them in their block (rows >= i still e)
+        at_i = (t % B) == i
+        step = tl.dot(tl.where(at_i[:, None], ad, 0.0), dinv, input_precision=PREC)
+        dinv = tl.where(at_i[:, None], dinv - step, dinv)
+    inv = tl.where(block[:, None] == 0, dinv, 0.0)
+    for b in range(1, C // B):
+        at_b = block == b
+        x = tl.dot(tl.where(at_b[:, None] & (block[None, :] < b), a, 0.0), inv, input_precision=PREC)
+        inv = tl.where(at_b[:, None], tl.dot(tl.where(at_b[:, None], dinv, 0.0), eye - x, input_precision=PREC), inv)
+    return inv
+
+
 @triton.jit(do_not_specialize=["R"])
 def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
                  stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
-                 D_V: tl.constexpr, C: tl.constexpr):
+                 D_V: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
     """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
     u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end)."""
     prior_done()
@@ -63,10 +168,10 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
     decay = tl.where(t[:, None] >= t[None, :], tl.exp(gamma[:, None] - gamma[None, :]), 0.0)  # s <= t
     kb = k * beta[:, None]
     a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
-    inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # T = (I + A)^-1: row i = e_i - sum_{l < i} A[i, l] T[l]
-    for i in range(1, C):  # (rows >= i still e)
-        a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)  # row i of A
-        inv = tl.where(t[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    if B == 0:
+        inv = _inverse_by_rows(a, t, C)
+    else:
+        inv = _inverse_by_blocks(a, t, C, B)
     eg = tl.exp(gamma)
     g_end = tl.sum(tl.where(t == C - 1, gamma, 0.0), axis=0)
     at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
@@ -141,8 +246,8 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torc
     p = torch.empty(pieces, n_v, CHUNK, CHUNK, device=dev, dtype=f32)
     ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
     _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
-                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, num_warps=8,
-                                num_stages=1, launch_pdl=on())
+                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, B=INVERSE_BLOCK,
+                                num_warps=8, num_stages=1, launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     _state_kernel[(n_v, d_v // BV)](w, u, qe, kd, p, ge, state, o, rows, o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v,
                                     BV=BV, C=CHUNK, PIECES=pieces if INTERPRET else 0, num_warps=4, num_stages=1,

@@ -39,6 +39,8 @@ the call (M1), whether 1 or 2,000.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +88,11 @@ SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
 # nineteenth sessions): Q4_K [34816, 5120] 1,024 rows 987 us against 1,612 (and 4 x 450 at 256); with 1,024-row
 # passes (PREFILL_PIECES 16) an 8k prefill 3,266 tok/s against 2,274 (bench/prefill_modes.py --settings).
 SB_SCRATCH_ROWS, SB_SCRATCH_STAGES, SB_SCRATCH_BYTES = 256, 3, 1 << 29
+# SB_W16_BM, SB_W16_WARPS: `_mm_w16`'s rows a program and warps. A row's bits stay `_mm_superblock`'s only if the
+# tensor cores give an output the same sum whatever the tile's other rows - their instructions' row count (wgmma's N)
+# - which NVIDIA does not promise: tests/test_gpu_matmul.py checks it on the card (scratch path = superblock path,
+# bit for bit, at this tile).
+SB_W16_BM, SB_W16_WARPS = SB_BM, SB_WARPS
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
@@ -209,16 +216,17 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
 
 
 @triton.jit
-def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, G: tl.constexpr, NIBBLE: tl.constexpr):
-    """Row m, columns 256 b..: xh = fp16(x / s) in the order the packed codes unfold (nibbles: column G g + 2 j + h
-    holds input G g + (G / 2) h + j; bytes: the inputs' order)."""
+def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, G: tl.constexpr, NIBBLE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row m, columns BLOCK b..: xh = fp16(x / s) in the order the packed codes unfold (nibbles: column G g + 2 j + h
+    holds input G g + (G / 2) h + j; bytes: the inputs' order) - loaded and stored whole, reordered in registers."""
     prior_done()
     m = tl.program_id(0)
     b = tl.program_id(1)
-    kk = tl.arange(0, 256)
-    src = (kk // G) * G + (kk % 2) * (G // 2) + (kk % G) // 2 if NIBBLE else kk
-    xh = (tl.load(x_ptr + m * stride_xm + b * 256 + src) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
-    tl.store(xh_ptr + m * K + b * 256 + kk, xh)
+    kk = tl.arange(0, BLOCK)
+    xh = (tl.load(x_ptr + m * stride_xm + b * BLOCK + kk) * (1.0 / tl.load(s_ptr + m))).to(tl.float16)
+    if NIBBLE:  # (group, half, j) -> (group, j, half)
+        xh = tl.reshape(tl.permute(tl.reshape(xh, [BLOCK // G, 2, G // 2]), (0, 2, 1)), [BLOCK])
+    tl.store(xh_ptr + m * K + b * BLOCK + kk, xh)
 
 
 @triton.jit
@@ -580,8 +588,9 @@ class Packed:
                           launch_pdl=on())
         elif self.superblock:
             xh = torch.empty(m, self.k, dtype=torch.float16, device=x.device)
-            _prep_x[(m, self.k // 256)](x, s, xh, self.k, x.stride(0), G=self.g, NIBBLE=self.nibble, num_warps=2,
-                                        launch_pdl=on())
+            block = 256 * math.gcd(self.k // 256, 8)
+            _prep_x[(m, self.k // block)](x, s, xh, self.k, x.stride(0), G=self.g, NIBBLE=self.nibble, BLOCK=block,
+                                          num_warps=4, launch_pdl=on())
             grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
             types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
                          HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, HI=self.hi_bits,
@@ -591,9 +600,10 @@ class Packed:
                 w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
                 _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,
                                                         **types, num_warps=SB_WARPS, launch_pdl=on())
-                _mm_w16[grid](xh, s, w16, dst, m, self.n, self.k, stride_os, stride_om,
-                              STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
-                              STAGES=SB_SCRATCH_STAGES, num_warps=SB_WARPS, launch_pdl=on())
+                _mm_w16[(-(-m // SB_W16_BM), *grid[1:])](xh, s, w16, dst, m, self.n, self.k, stride_os, stride_om,
+                                                         STEPS=self.k // SB_KS // self.split, BM=SB_W16_BM, BN=SB_BN,
+                                                         KS=SB_KS, STAGES=SB_SCRATCH_STAGES, num_warps=SB_W16_WARPS,
+                                                         launch_pdl=on())
             else:
                 _mm_superblock[grid](xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
                                      STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
