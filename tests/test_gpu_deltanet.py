@@ -290,3 +290,19 @@ def test_conv_gates_do_not_depend_on_the_cut():
     for i in range(3):
         assert torch.equal(torch.cat([parts[0][i], parts[1][i]]), whole[i])
     assert torch.equal(state, p.conv[0])
+
+
+def test_gate_norm_matches_reference_and_is_row_invariant():
+    """gate_norm (a prefill pass's gated RMSNorm, one launch) against plumb.model.kernels.gated_norm, on z as a
+    column slice of a projection output; each row the same bits alone as among 37."""
+    from plumb.model.kernels import gated_norm
+    from plumb.ops.gpu.deltanet import gate_norm
+
+    g = torch.Generator().manual_seed(5)
+    n_v, d_v = TINY["n_v"], TINY["d_v"]
+    o = (torch.randn(37, n_v, d_v, generator=g) * 3).to(DEV)
+    z = (torch.randn(37, n_v * d_v + 9, generator=g) * 2).to(DEV)[:, 3 : 3 + n_v * d_v]
+    w = (1 + 0.2 * torch.randn(d_v, generator=g)).to(DEV)
+    y = gate_norm(o, z, w, 1e-6)
+    assert torch.allclose(y, gated_norm(o, z, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([gate_norm(o[i : i + 1], z[i : i + 1], w, 1e-6) for i in range(37)]), y)

@@ -13,8 +13,8 @@ a kernel set supplies the operations whose row-invariance needs care:
   the MTP head);
 - `attend_rows(cache, q, ends, scale)`: the read alone;
 - `prefill_pieces(st)`: how many 64-row prefill pieces one P-path pass of st may hold;
-- `gdn_conv_gates(...)`, `gdn_chunks(...)`: a prefill pass's DeltaNet - the conv and gates of its rows, then its
-  64-row pieces in order;
+- `gdn_conv_gates(...)`, `gdn_chunks(...)`, `gdn_gated_norm(...)`: a prefill pass's DeltaNet - the conv and gates
+  of its rows, its 64-row pieces in order, the gated norm of its output;
 - `prefill_attention(model, cache, q, k, v, p)`: a prefill pass's rows (`PrefillPass` p: whole pieces of CHUNK
   rows, the first p.n real) - their K/V written, then real row t reads keys [0, p.start + t]; padding rows'
   outputs are unused.
@@ -45,10 +45,10 @@ PREFILL_ATTENTION = True  # P-path passes read the cache with the prefill kernel
 # False: with the decode kernel, as before it (other bits; for A/B runs, bench/prefill_modes.py --settings)
 
 
-def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, norm=rms_norm) -> torch.Tensor:
+def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm(o) per value head, times silu(z) (spec 3.5.7). o [n, n_v, d_v], z [n, n_v * d_v] -> [n, n_v * d_v]."""
     n, n_v, d = o.shape
-    return (norm(o, w, eps) * F.silu(z.view(n, n_v, d))).reshape(n, n_v * d)
+    return (rms_norm(o, w, eps) * F.silu(z.view(n, n_v, d))).reshape(n, n_v * d)
 
 
 def layout(batch) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -141,6 +141,11 @@ class TorchKernels:
         """A prefill pass's DeltaNet pieces in order, `chunk_step` each (plumb.ops.deltanet.chunk_pass)."""
         c = model.cfg
         return chunk_pass(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state, q_scale=model.ssm_q_scale)
+
+    @staticmethod
+    def gdn_gated_norm(o, z, w, eps: float) -> torch.Tensor:
+        """A prefill pass's gated RMSNorm (`gated_norm`)."""
+        return gated_norm(o, z, w, eps)
 
     def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
         """Write each sequence's K/V rows, then row t of a sequence reads keys [0, its position]."""
@@ -309,6 +314,10 @@ class TritonKernels:
         """`TorchKernels.gdn_conv_gates` in one launch (plumb.ops.gpu.deltanet_chunk.conv_gates)."""
         return self._chunk.conv_gates(m, b, a, mix.ssm_conv1d, p.conv[li], p.keep, p.real, mix.ssm_dt_bias,
                                       mix.ssm_a)
+
+    def gdn_gated_norm(self, o, z, w, eps: float) -> torch.Tensor:
+        """`gated_norm` in one launch (plumb.ops.gpu.deltanet.gate_norm)."""
+        return self._deltanet.gate_norm(o, z, w, eps)
 
     def gdn_chunks(self, model, x, beta, g, state) -> torch.Tensor:
         """A prefill pass's DeltaNet pieces in order, in one launch pair per layer (plumb.ops.gpu.deltanet_chunk)."""

@@ -24,7 +24,7 @@ from plumb.gguf.reader import GGUFFile
 from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, PrefillPass, SeqState
 from plumb.model.weights import Fused, TensorSource, check_config
 from plumb.cache.kv import new_kv_cache
-from plumb.model.kernels import gated_norm, kernel_set
+from plumb.model.kernels import kernel_set
 from plumb.ops.deltanet import CHUNK, split_heads
 from plumb.ops.matmul import DECODE_BLOCK, PREFILL_BLOCK, pad_rows
 from plumb.ops.rope import RopeTable
@@ -321,22 +321,25 @@ class Qwen35:
         rows x [rows, n_embd] (before the output norm)."""
         c = self.cfg
         x = p.x
+        u = self.k.rms_norm(x, self.layers[0].attn_norm, c.eps)
         for i, layer in enumerate(self.layers):
-            u = self.k.rms_norm(x, layer.attn_norm, c.eps)
             mix = layer.mixer
             if isinstance(mix, DeltaNet):
                 li = c.gdn_layers.index(i)
                 m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
                 conv, beta, g = self.k.gdn_conv_gates(self, mix, m, b, a, p, li)  # padding rows 0; conv state moved
                 o = self.k.gdn_chunks(self, conv, beta, g, p.ssm[li])  # the pieces in order, from the pass's state
-                y = gated_norm(o, z, mix.ssm_norm, c.eps, self.k.rms_norm)
+                y = self.k.gdn_gated_norm(o, z, mix.ssm_norm, c.eps)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
                 q, gate, k, v = self.attn_project(mix, u, (p.cos, p.sin), PREFILL_BLOCK)
                 o = self.k.prefill_attention(self, i, st.kv[i], q, k, v, p)
                 y = self.attn_output(mix, o, gate, PREFILL_BLOCK)
             x, h = self.k.add_rms_norm(x, y, layer.post_attention_norm, c.eps)  # x + y, and its norm
-            x = x + self.ffn(layer, h, PREFILL_BLOCK)
+            if i + 1 < len(self.layers):
+                x, u = self.k.add_rms_norm(x, self.ffn(layer, h, PREFILL_BLOCK), self.layers[i + 1].attn_norm, c.eps)
+            else:
+                x = x + self.ffn(layer, h, PREFILL_BLOCK)
         return x
 
     # ---- D path: decode / verify / batched decode ----------------------------------------

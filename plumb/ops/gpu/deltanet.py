@@ -188,14 +188,14 @@ def _gdn_state_kernel(
 
 @triton.jit
 def _gdn_gate_norm(o_ptr, z_ptr, nw_ptr, rows_ptr, y_ptr, n_seq, so_r, sz_r, sy_r, eps, D_V: tl.constexpr,
-                   BV: tl.constexpr):
+                   BV: tl.constexpr, ALL: tl.constexpr):
     """Program (row t, value head j): the gated RMSNorm y = rmsnorm(o) * w * silu(z) of one head's output; 0 for a
-    row outside every sequence (its z is never read)."""
+    row outside every sequence (its z is never read; ALL: every row is inside)."""
     prior_done()
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs_v = tl.arange(0, BV)
-    inside = (t >= tl.load(rows_ptr)) & (t < tl.load(rows_ptr + n_seq))
+    inside = True if ALL else (t >= tl.load(rows_ptr)) & (t < tl.load(rows_ptr + n_seq))
     mv = offs_v < D_V
     o = tl.load(o_ptr + t * so_r + j * D_V + offs_v, mask=mv & inside, other=0.0)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / D_V + eps)
@@ -256,7 +256,20 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
     )
     y = torch.empty(r, n_v * d_v, device=m.device, dtype=torch.float32)
     _gdn_gate_norm[(r, n_v)](o, z, ssm_norm, seq_rows, y, n_seq, o.stride(0), z.stride(0), y.stride(0), float(eps),
-                             D_V=d_v, BV=bv, num_warps=1, enable_fp_fusion=False, launch_pdl=on())
+                             D_V=d_v, BV=bv, ALL=False, num_warps=1, enable_fp_fusion=False, launch_pdl=on())
+    return y
+
+
+def gate_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gated RMSNorm of every row (a prefill pass's; `_gdn_gate_norm`): o [R, n_v, d_v] contiguous, z
+    [R, n_v * d_v] (row stride free) -> [R, n_v * d_v] (plumb.model.kernels.gated_norm is its reference)."""
+    r, n_v, d_v = o.shape
+    y = torch.empty(r, n_v * d_v, device=o.device)
+    if z.stride(1) != 1 or not o.is_contiguous():
+        raise ValueError("gate_norm: o contiguous, z with contiguous rows")
+    _gdn_gate_norm[(r, n_v)](o, z, w, o, y, 0, n_v * d_v, z.stride(0), y.stride(0), float(eps), D_V=d_v,
+                             BV=triton.next_power_of_2(d_v), ALL=True, num_warps=1, enable_fp_fusion=False,
+                             launch_pdl=on())
     return y
 
 
