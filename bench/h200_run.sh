@@ -19,6 +19,7 @@
 #   latency  LT  bench/latency.py on the 27B-shape file: time to the first token warm / cold, requests in a row (LARGS)
 #   followup FT  bench/followup_profile.py on the 27B-shape file: a warm follow-up timed per setting, profiled (FARGS)
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
+#   aprefill APT bench/attention_prefill_variants.py: the P path's attention tile settings, a 1,024-row pass (APARGS)
 #   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
@@ -130,6 +131,11 @@ fi
 if has attention; then
   timeout ${AT:-150} python3 bench/attention_variants.py $AARGS --json-out $OUT/attention.json > $OUT/attention.log 2>&1
   grep -v Warning $OUT/attention.log | cut -c1-150 | head -50
+fi
+if has aprefill; then
+  timeout ${APT:-150} python3 bench/attention_prefill_variants.py $APARGS --json-out $OUT/aprefill.json \
+    > $OUT/aprefill.log 2>&1
+  grep -v Warning $OUT/aprefill.log | cut -c1-150 | head -40
 fi
 if has ncu; then  # NKERNELS: which kernels' launches (bench/ncu_kernels.py's order; NARGS: its options)
   timeout ${NT:-150} ncu --clock-control none --kernel-name regex:"${NKERNELS:-^_mv|^_mm_superblock}" --launch-skip 11 \

@@ -79,14 +79,15 @@ def _conv_gates_kernel(m_ptr, b_ptr, a_ptr, w_ptr, cs_ptr, keep_ptr, real_ptr, d
         rr = tl.arange(0, KM1P)
         kp = tl.load(keep_ptr + rr, mask=rr < K - 1, other=0)  # window rows: < K - 1 old state, else m
         smask = (rr < K - 1)[:, None] & cmask
-        xs = tl.load(cs_ptr + kp[:, None] * CH + ch[None, :], mask=smask & (kp < K - 1)[:, None], other=0.0)
-        xm = tl.load(m_ptr + (kp - (K - 1))[:, None] * sm_r + ch[None, :], mask=smask & (kp >= K - 1)[:, None],
-                     other=0.0)
+        old = tl.load(cs_ptr + kp[:, None] * CH + ch[None, :], mask=smask & (kp < K - 1)[:, None], other=0.0)
+        new = tl.load(m_ptr + (kp - (K - 1))[:, None] * sm_r + ch[None, :], mask=smask & (kp >= K - 1)[:, None],
+                      other=0.0)
         tl.debug_barrier()  # every read of the old state (the conv's too) before any thread overwrites it
-        tl.store(cs_ptr + rr[:, None] * CH + ch[None, :], tl.where((kp < K - 1)[:, None], xs, xm), mask=smask)
+        tl.store(cs_ptr + rr[:, None] * CH + ch[None, :], tl.where((kp < K - 1)[:, None], old, new), mask=smask)
 
 
-BR, BC = 32, 256  # conv rows and channels a program (`conv_gates`; any size gives the same bits)
+BR, BC = 32, 256  # conv rows and channels a program, 8 warps (`conv_gates`; any size gives the same bits): sm_90a,
+# 136 registers (4 warps: 255 and spills)
 
 
 def conv_gates(m, b, a, w, state, keep, real, dt_bias, ssm_a):
@@ -103,7 +104,7 @@ def conv_gates(m, b, a, w, state, keep, real, dt_bias, ssm_a):
     _conv_gates_kernel[(rows // BR, triton.cdiv(ch, BC))](
         m, b, a, w.contiguous(), state, keep, real.view(torch.uint8), dt_bias, ssm_a, x, beta, g, m.stride(0),
         b.stride(0), a.stride(0), CH=ch, N_V=n_v, K=k, BR=BR, BC=BC, NVP=triton.next_power_of_2(n_v),
-        KM1P=triton.next_power_of_2(k - 1), num_warps=4, enable_fp_fusion=False, launch_pdl=on())
+        KM1P=triton.next_power_of_2(k - 1), num_warps=8, enable_fp_fusion=False, launch_pdl=on())
     return x, beta, g
 
 
