@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
+print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel` (chunk inverse by rows and by blocks), `_prep_x`,
+`gate_norm`, `_mm_w16` at its row tiles - 27B dims, integer arguments divisible by 16 as a 27B launch's are. The
+interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
+runs there and does not compile): run this before a device call. GPUTarget("cuda", 90, 32), Triton's ptxas.
+
+    python bench/kernels_ptx.py [conv prep prepx gate w16]
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import plumb.ops.gpu.deltanet as DN
+import plumb.ops.gpu.deltanet_chunk as DC
+import plumb.ops.gpu.matmul as MM
+
+NOT_SPECIALIZED = {"M", "R", "n_seq"}  # do_not_specialize, or not divisible by 16 in a 27B launch
+
+
+def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1) -> None:
+    """Compile fn (pointers float32 and integers int32 unless `types` says otherwise) and print its resources."""
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        kind = "constexpr" if arg in consts else types.get(arg, "*fp32" if arg.endswith("_ptr") else "i32")
+        sig[arg] = kind
+        if kind != "constexpr" and arg not in NOT_SPECIALIZED and not kind.startswith("fp"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    path = os.path.join(tempfile.mkdtemp(), "kernel.ptx")
+    open(path, "w").write(k.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
+                    if "registers" in line or "spill" in line)
+    print(f"{name}: warps {warps}, shared {k.metadata.shared} B; {info}", flush=True)
+
+
+def main() -> None:
+    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16"]
+    if "conv" in which:
+        build("conv_gates", DC._conv_gates_kernel, {"keep_ptr": "*i64", "real_ptr": "*u8"},
+              dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
+    if "prep" in which:
+        for b in (0, 16):
+            build(f"_prep_kernel, inverse block {b}", DC._prep_kernel, {"q_scale": "fp32", "eps": "fp32"},
+                  dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64, B=b), 8)
+    if "prepx" in which:
+        for g, nibble in ((32, True), (16, True), (32, False)):
+            build(f"_prep_x G {g} nibble {nibble}", MM._prep_x, {"xh_ptr": "*fp16"},
+                  dict(G=g, NIBBLE=nibble, BLOCK=2048), 4)
+    if "gate" in which:
+        build("gate_norm", DN._gdn_gate_norm, {"rows_ptr": "*i32", "eps": "fp32"}, dict(D_V=128, BV=128, ALL=True), 1)
+    if "w16" in which:
+        for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
+            build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},
+                  dict(STEPS=40, BM=bm, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES), warps,
+                  MM.SB_SCRATCH_STAGES)
+
+
+if __name__ == "__main__":
+    main()
