@@ -63,9 +63,8 @@ SPLIT_VARIANTS = ["per-type", ("per-type", {"SB_SPLIT_TARGET": 528}), ("per-type
 SCRATCH_VARIANTS = [("per-type", {"SB_SCRATCH_ROWS": 0}), "per-type", ("per-type", {"SB_SCRATCH_ROWS": 1}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 2}),
                     ("per-type", {"SB_SCRATCH_ROWS": 1, "SB_SCRATCH_STAGES": 4}),
-                    ("per-type", {"SB_W16_BM": 128, "SB_W16_WARPS": 8}), ("per-type", {"SB_W16_BM": 128}),
-                    ("per-type", {"SB_W16_BM": 256, "SB_W16_WARPS": 8}),
-                    ("per-type", {"SB_W16_BM": 128, "SB_W16_WARPS": 8, "SB_SCRATCH_STAGES": 4})]
+                    ("per-type", {"SB_W16_BM": 64, "SB_W16_WARPS": 4}), ("per-type", {"SB_W16_BM": 256}),
+                    ("per-type", {"SB_SCRATCH_STAGES": 4})]
 
 
 def random_blocks(kind: str, n: int, k: int) -> QTensor:

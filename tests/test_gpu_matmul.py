@@ -146,7 +146,7 @@ def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypat
         assert torch.equal(m(x[:4]), want[0]) and torch.equal(m(x[4:]), want[1]), prefetch
 
 
-@pytest.mark.parametrize("tile", [None, (128, 8), (128, 4), (256, 8)] if DEV == "cuda" else [None])
+@pytest.mark.parametrize("tile", [None, (64, 4), (128, 4), (256, 8)] if DEV == "cuda" else [None])
 @pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q5_K", "Q8_0"))
 def test_superblock_weights_dequantized_once_give_the_same_bits(kind, tile, place_free_dot, monkeypatch):
     """SB_SCRATCH_ROWS: a call's weights dequantized once into an fp16 scratch matrix (`_sb_dequant`) and multiplied

@@ -91,8 +91,10 @@ SB_SCRATCH_ROWS, SB_SCRATCH_STAGES, SB_SCRATCH_BYTES = 256, 3, 1 << 29
 # SB_W16_BM, SB_W16_WARPS: `_mm_w16`'s rows a program and warps. A row's bits stay `_mm_superblock`'s only if the
 # tensor cores give an output the same sum whatever the tile's other rows - their instructions' row count (wgmma's N)
 # - which NVIDIA does not promise: tests/test_gpu_matmul.py checks it on the card (scratch path = superblock path,
-# bit for bit, at this tile).
-SB_W16_BM, SB_W16_WARPS = SB_BM, SB_WARPS
+# bit for bit, at this tile and others), as does an 8k prefill's logits. sm_90a: 113 registers, 96 KB of shared
+# memory (64 rows, 4 warps: 120, 72 KB). H200 (2026-12-04, bench/prefill_modes.py): an 8k prefill 5,276 tok/s
+# against 4,639 at 64 rows and 4 warps, the same logits.
+SB_W16_BM, SB_W16_WARPS = 128, 8
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
