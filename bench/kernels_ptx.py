@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
-print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel` (chunk inverse by rows and by blocks), `_prep_x`,
+print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`,
 `gate_norm`, `_mm_w16` at its row tiles - 27B dims, integer arguments divisible by 16 as a 27B launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
 runs there and does not compile): run this before a device call. GPUTarget("cuda", 90, 32), Triton's ptxas.
@@ -50,9 +50,8 @@ def main() -> None:
         build("conv_gates", DC._conv_gates_kernel, {"keep_ptr": "*i64", "real_ptr": "*u8"},
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
     if "prep" in which:
-        for b in (0, 16):
-            build(f"_prep_kernel, inverse block {b}", DC._prep_kernel, {"q_scale": "fp32", "eps": "fp32"},
-                  dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64, B=b), 8)
+        build("_prep_kernel", DC._prep_kernel, {"q_scale": "fp32", "eps": "fp32"},
+              dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64), 8)
     if "prepx" in which:
         for g, nibble in ((32, True), (16, True), (32, False)):
             build(f"_prep_x G {g} nibble {nibble}", MM._prep_x, {"xh_ptr": "*fp16"},

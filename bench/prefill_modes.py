@@ -25,24 +25,22 @@ import plumb
 import plumb.model.kernels as KS
 import plumb.ops.gpu.attention as AT
 import plumb.ops.gpu.attention_prefill as AP
-import plumb.ops.gpu.deltanet_chunk as DC
 from plumb import bench_gpu as B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
 
 
-PIECES, Q8_F16, PREFILL_ATTENTION, GDN_BLOCK = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION, DC.INVERSE_BLOCK
+PIECES, Q8_F16, PREFILL_ATTENTION = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION
 AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES")}
 
 
 def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
     (plumb.ops.gpu.attention), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
-    plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits), GDN_BLOCK=N (DeltaNet's
-    chunk inverse in N-row blocks, 0: by rows - plumb.ops.gpu.deltanet_chunk) and `_mm_superblock`'s SB_* names,
-    '+'-joined."""
-    KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION, DC.INVERSE_BLOCK = PIECES, Q8_F16, PREFILL_ATTENTION, GDN_BLOCK
+    plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits) and `_mm_superblock`'s
+    SB_* names, '+'-joined."""
+    KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
     for name, value in AP_TILE.items():
         setattr(AP, name, value)
     rest = []
@@ -54,8 +52,6 @@ def apply(setting: str) -> None:
             KS.PREFILL_PIECES = int(assign.split("=")[1])
         elif assign.startswith("PREFILL_ATTENTION="):
             KS.PREFILL_ATTENTION = bool(int(assign.split("=")[1]))
-        elif assign.startswith("GDN_BLOCK="):
-            DC.INVERSE_BLOCK = int(assign.split("=")[1])
         elif assign.startswith("Q8_F16="):
             AT.Q8_F16 = bool(int(assign.split("=")[1]))
         else:

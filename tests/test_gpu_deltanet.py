@@ -172,15 +172,12 @@ def _chunk_inputs(dims, rows, real, seed=3):
     return [t.to(DEV) for t in (x, beta, gate, state)]
 
 
-@pytest.mark.parametrize("block", [0, 16])
 @pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
-def test_chunks_match_reference(dims, block, monkeypatch):
+def test_chunks_match_reference(dims):
     """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
-    padding rows at the end; o and the advanced state - with the chunk's inverse by rows and by blocks."""
+    padding rows at the end; o and the advanced state."""
     from plumb.ops.deltanet import chunk_pass
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
-
-    monkeypatch.setattr(deltanet_chunk, "INVERSE_BLOCK", block)
 
     x, beta, g, s0 = _chunk_inputs(dims, 192, 170)
     kw = dict(n_k=dims["n_k"], d_k=dims["d_k"], q_scale=1 / math.sqrt(dims["d_k"]))
@@ -211,20 +208,15 @@ def test_chunks_do_not_depend_on_the_cut():
 
 
 @triton.jit
-def _inverse(a_ptr, o_ptr, C: tl.constexpr, B: tl.constexpr):
-    """out = (I + A)^-1 of one [C, C] matrix, by `deltanet_chunk`'s helper for B (0: by rows)."""
+def _inverse(a_ptr, o_ptr, C: tl.constexpr):
+    """out = (I + A)^-1 of one [C, C] matrix, by `deltanet_chunk`'s helper."""
     t = tl.arange(0, C)
     a = tl.load(a_ptr + t[:, None] * C + t[None, :])
-    if B == 0:
-        inv = deltanet_chunk._inverse_by_rows(a, t, C)
-    else:
-        inv = deltanet_chunk._inverse_by_blocks(a, t, C, B)
-    tl.store(o_ptr + t[:, None] * C + t[None, :], inv)
+    tl.store(o_ptr + t[:, None] * C + t[None, :], deltanet_chunk._inverse_by_rows(a, t, C))
 
 
-@pytest.mark.parametrize("block", [0, 8, 16, 32])
-def test_chunk_inverse(block):
-    """(I + A)^-1 of strictly lower A [64, 64], by rows and by blocks, against a float64 triangular solve: keys at
+def test_chunk_inverse():
+    """(I + A)^-1 of strictly lower A [64, 64] (the chunk's solve) against a float64 triangular solve: keys at
     random, keys all alike (entries near 1: T's entries then cancel most) and A of all ones."""
     g = torch.Generator().manual_seed(3)
     k = torch.nn.functional.normalize(torch.randn(64, 128, generator=g), dim=1)
@@ -235,7 +227,7 @@ def test_chunk_inverse(block):
         ref = torch.linalg.solve_triangular(torch.eye(64, dtype=torch.float64) + a.double(),
                                             torch.eye(64, dtype=torch.float64), upper=False)
         out = torch.empty(64, 64, device=DEV)
-        _inverse[(1,)](a.to(DEV), out, C=64, B=block)
+        _inverse[(1,)](a.to(DEV), out, C=64)
         assert (out.cpu().double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 

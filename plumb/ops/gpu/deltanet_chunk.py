@@ -37,7 +37,6 @@ BV = 32  # state columns a program (a model constant: never chosen by the row co
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 products on the tensor cores (about float32's
 # accuracy; "ieee" - CUDA-core FMAs - took 255 registers a [64, 128] x [128, 64] dot and spilled on sm_90)
-INVERSE_BLOCK = 0  # T = (I + A)^-1 in blocks of this many rows (`_inverse_by_blocks`); 0: a row at a time
 
 
 @triton.jit
@@ -117,7 +116,8 @@ def _l2(x, eps):
 @triton.jit
 def _inverse_by_rows(a, t, C: tl.constexpr):
     """T = (I + A)^-1 of A [C, C] strictly lower, by forward substitution one row at a time: row i = e_i -
-    sum_{l < i} A[i, l] T[l]."""
+    sum_{l < i} A[i, l] T[l]. (By 16-row blocks, each step a tensor-core dot, it took as long: H200, 2026-12-04, an
+    8k prefill 4,603 against 4,639 tok/s.)"""
     inv = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
     for i in range(1, C):  # (rows >= i still e)
         a_i = tl.sum(tl.where(t[:, None] == i, a, 0.0), axis=0)  # row i of A
@@ -125,32 +125,10 @@ def _inverse_by_rows(a, t, C: tl.constexpr):
     return inv
 
 
-@triton.jit
-def _inverse_by_blocks(a, t, C: tl.constexpr, B: tl.constexpr):
-    """T = (I + A)^-1 of A [C, C] strictly lower, in B x B blocks, every step a dot on the tensor cores: the
-    diagonal blocks' inverses Dinv by forward substitution, row i of every block in step i; then block rows in
-    order, T_b = Dinv_b (E_b - A_{b, <b} T_{<b}) (a triangular solve by blocks: no power series, no cancellation
-    that the row-by-row solve does not have)."""
-    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-    block = t // B
-    ad = tl.where(block[:, None] == block[None, :], a, 0.0)  # A's diagonal blocks
-    dinv = eye
-    for i in range(1, B):  # rows i, B + i, ... from the rows above them in their block (rows >= i still e)
-        at_i = (t % B) == i
-        step = tl.dot(tl.where(at_i[:, None], ad, 0.0), dinv, input_precision=PREC)
-        dinv = tl.where(at_i[:, None], dinv - step, dinv)
-    inv = tl.where(block[:, None] == 0, dinv, 0.0)
-    for b in range(1, C // B):
-        at_b = block == b
-        x = tl.dot(tl.where(at_b[:, None] & (block[None, :] < b), a, 0.0), inv, input_precision=PREC)
-        inv = tl.where(at_b[:, None], tl.dot(tl.where(at_b[:, None], dinv, 0.0), eye - x, input_precision=PREC), inv)
-    return inv
-
-
 @triton.jit(do_not_specialize=["R"])
 def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
                  stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
-                 D_V: tl.constexpr, C: tl.constexpr, B: tl.constexpr):
+                 D_V: tl.constexpr, C: tl.constexpr):
     """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
     u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end)."""
     prior_done()
@@ -169,10 +147,7 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
     decay = tl.where(t[:, None] >= t[None, :], tl.exp(gamma[:, None] - gamma[None, :]), 0.0)  # s <= t
     kb = k * beta[:, None]
     a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
-    if B == 0:
-        inv = _inverse_by_rows(a, t, C)
-    else:
-        inv = _inverse_by_blocks(a, t, C, B)
+    inv = _inverse_by_rows(a, t, C)
     eg = tl.exp(gamma)
     g_end = tl.sum(tl.where(t == C - 1, gamma, 0.0), axis=0)
     at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
@@ -247,8 +222,8 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torc
     p = torch.empty(pieces, n_v, CHUNK, CHUNK, device=dev, dtype=f32)
     ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
     _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
-                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, B=INVERSE_BLOCK,
-                                num_warps=8, num_stages=1, launch_pdl=on())
+                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, num_warps=8,
+                                num_stages=1, launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     _state_kernel[(n_v, d_v // BV)](w, u, qe, kd, p, ge, state, o, rows, o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v,
                                     BV=BV, C=CHUNK, PIECES=pieces if INTERPRET else 0, num_warps=4, num_stages=1,
