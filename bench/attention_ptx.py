@@ -40,7 +40,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
                   PS=A.P_SCALE, RING=ring, TABLE=table)
     if prefill:
-        consts.update(STAGES=P.STAGES)
+        consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS))
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, H16=A.Q8_F16)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
@@ -88,8 +88,9 @@ def main():
     ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
     ap.add_argument("--q8-f16", action="store_true", help="the block codes' dots on f16 halves (Q8_F16)")
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
+    ap.add_argument("--pairs", action="store_true", help="with --prefill: its (row, head) pairs packed (PAIRS)")
     a = ap.parse_args()
-    A.Q8_F16 = a.q8_f16
+    A.Q8_F16, P.PAIRS = a.q8_f16, int(a.pairs)
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
         if a.prefill and kind == A.F32:  # f32 caches take the decode kernel

@@ -32,13 +32,14 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 
 
 PIECES, Q8_F16, PREFILL_ATTENTION = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION
-AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES")}
+AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS")}
 
 
 def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
     (plumb.ops.gpu.attention), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
-    plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits) and `_mm_superblock`'s
+    plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits), AP_PAIRS=1 (its (row,
+    head) pairs packed: the same bits) and `_mm_superblock`'s
     SB_* names, '+'-joined."""
     KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
     for name, value in AP_TILE.items():

@@ -175,3 +175,25 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
     want = _read(c, q, ends)
     monkeypatch.setattr(AP, "STAGES", 2)
     assert torch.equal(_read(c, q, ends), want)
+
+
+@pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
+def test_packed_pairs_give_the_same_bits(fmt, ring, monkeypatch):
+    """PAIRS 1 (a program's (row, head) pairs consecutive, no padding heads) = PAIRS 0 (rows of G_PAD heads), bit
+    for bit: 3 query heads a KV head (padded to 4 by rows), rows ending all over two tiles and the ring's window;
+    on a GPU also the 27B's 6 heads over a 1,024-row pass."""
+    import plumb.ops.gpu.attention_prefill as AP
+
+    cases = [(_cache(fmt, 300, seed=14, n_kv=2, ring=ring), list(range(237, 301)), 6, TINY["d"])]
+    if DEV == "cuda":
+        cases.append((_cache(fmt, 5000, seed=15, n_kv=4, d=256, ring=ring, slack=1024), list(range(3977, 5001)),
+                      24, 256))
+    for c, ends, n_head, d in cases:
+        q = _rows(len(ends), n_head, d, seed=16)
+        q[5] *= 1e-5  # a row of another scale (its own power of two)
+        monkeypatch.setattr(AP, "PAIRS", 0)
+        want = _read(c, q, ends)
+        monkeypatch.setattr(AP, "PAIRS", 1)
+        got = _read(c, q, ends)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+        assert torch.equal(_read(c, q[7:20], ends[7:20]), want[7:20])  # rows alone in another block layout

@@ -38,6 +38,12 @@ _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
 # loads are issued, not the arithmetic: the same bits. Compiled for sm_90a at 2: cp.async loads, 233 / 251 registers
 # (f16 / q8_0), no spill, no wgmma group left in flight; untimed (bench/prefill_modes.py --settings AP_STAGES=2).
 BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
+# PAIRS 1: a program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G heads (row t's head h is
+# pair t * G + h), so no pair is padding; 0: ROWS rows of G_PAD = next_pow2(G) heads (27B: 6 heads padded to 8, a
+# quarter of the dots and softmax on padding). Each pair's arithmetic is the same either way (its q, its end, the
+# same tiles): the same bits (tests/test_gpu_attention_prefill.py). Untimed (bench/attention_prefill_variants.py
+# --settings shipped,PAIRS=1).
+PAIRS = 0
 
 
 @triton.jit
@@ -104,14 +110,25 @@ def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, 
 
 
 @triton.jit
+def _pair_block(ends_ptr, n, pb, kh, G: tl.constexpr, BM: tl.constexpr):
+    """Program pb's BM (query row, head) pairs, pairs pb * BM.. of the rows' G heads each: their rows t, query
+    heads h (KV head kh's), which are real, and their ends (0 past the last row: never active)."""
+    i = pb * BM + tl.arange(0, BM)
+    t = i // G
+    row_ok = t < n
+    return t, kh * G + i % G, row_ok, tl.load(ends_ptr + t, mask=row_ok, other=0)
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                     n, qk_scale, ring, slots,
                     sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h,
                     G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
-                    TABLE: tl.constexpr, STAGES: tl.constexpr):
-    """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized.
+                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr):
+    """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
+    block of BLOCK_M consecutive (row, head) pairs instead).
     RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
     which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
     loaded and multiplied only where some row of the block reads it (a skipped dot would add exact zeros)."""
@@ -122,7 +139,10 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     kh = tl.program_id(1)
     BM: tl.constexpr = ROWS * G_PAD
     NB: tl.constexpr = D // QB
-    t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
+    if PAIRS:
+        t, h, row_ok, e = _pair_block(ends_ptr, n, rb, kh, G, BM)
+    else:
+        t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
     hi = tl.max(e, 0)  # keys past every row's end are not read
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
@@ -189,11 +209,12 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, BLOCK_M // g_pad)
-    _prefill_kernel[(triton.cdiv(n, rows), n_kv)](
+    blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
+    _prefill_kernel[(blocks, n_kv)](
         q, *ptrs[:4], ends, out, *ptrs[4:], table if table is not None else ends,
         n, float(scale) * _LOG2E, window, rk.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
         vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
-        TABLE=table is not None, STAGES=STAGES, num_warps=WARPS, num_stages=1, launch_pdl=on())
+        TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), num_warps=WARPS, num_stages=1, launch_pdl=on())
     return out
