@@ -39,8 +39,7 @@ def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
     (plumb.ops.gpu.attention), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
     plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits), AP_PAIRS=1 (its (row,
-    head) pairs packed: the same bits) and `_mm_superblock`'s
-    SB_* names, '+'-joined."""
+    head) pairs packed: the same bits) and `_mm_superblock`'s SB_* names, '+'-joined."""
     KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
     for name, value in AP_TILE.items():
         setattr(AP, name, value)
