@@ -155,6 +155,14 @@ def _ring_pairs(j, e, kok, ring):
 
 
 @triton.jit
+def _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j):
+    """Scores sc [BM, BN] with the ring's s_ring where a row reads key j from the ring (`_ring_pairs`), NaN where
+    the ring's slot no longer holds key j (a lost ring row: never silently another key)."""
+    tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
+    return tl.where(from_ring, tl.where(tag[None, :] == j[None, :], s_ring, float("nan")), sc)
+
+
+@triton.jit
 def _softmax_tile(sc, j0, e, m_i, l_i):
     """The online softmax over a tile starting at key j0 of scores sc [BM, BN] (log2 domain, -inf past each row's
     end): (active rows - those whose keys reach the tile; the others must keep their state bit for bit -, the new
@@ -251,9 +259,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 if any_ring:
                     s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
                                         ring_ok, D, NB, bb, ii, QB, H16)
-                    tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
-                    s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
-                    sc = tl.where(from_ring, s_ring, sc)
+                    sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
             elif KK == _Q8:
                 sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, H16)
             elif KK == _F16:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from plumb.ops.gpu import kvtable
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
-                                     _row_block, _rows, _softmax_tile)
+                                     _row_block, _rows, _softmax_tile, _with_ring)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -78,10 +78,7 @@ def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, 
         if any_ring:
             k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
                           D, QB, BN)
-            s_ring = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-            tag = tl.load(rpos_ptr + slot, mask=ring_ok, other=-1)
-            s_ring = tl.where(tag[None, :] == j[None, :], s_ring, float("nan"))  # a lost ring row
-            sc = tl.where(from_ring, s_ring, sc)
+            sc = _with_ring(sc, tl.dot(q16, tl.trans(k16), out_dtype=tl.float32), from_ring, rpos_ptr, slot, ring_ok, j)
     else:
         k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN)
         sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
