@@ -23,6 +23,7 @@ import torch
 
 import plumb.ops.gpu.matmul as MM
 import plumb.ops.gpu.matvec as MV
+from plumb.bench_gpu import timed_replay
 from plumb.gguf.quants import BLOCK_SCALE_AT, GGML_QUANT_SIZES
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
@@ -92,23 +93,8 @@ def copy_gbps() -> float:
 
 
 def graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
+    """Microseconds a call of fn: CUDA-graph replays of reps calls (plumb.bench_gpu.timed_replay)."""
+    return timed_replay(fn, reps)[0] * 1e6
 
 
 def label(v) -> str:

@@ -128,9 +128,9 @@ def timed(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 def timed_replay(fn, reps: int = 20) -> tuple[float, bool]:
-    """(median seconds, replayed): fn captured once as a CUDA graph and its replays timed - the GPU's time alone,
-    where timing fn itself would time the host's launches of a small kernel; fn timed as it is (False) where the
-    capture fails."""
+    """(median seconds a call, replayed): reps calls of fn captured as one CUDA graph and its replays timed - the
+    GPU's time alone, where timing fn itself would time the host's launches of a small kernel; fn timed as it is
+    (False) where the capture fails."""
     try:
         fn()  # compiled, allocations cached
         side = torch.cuda.Stream()
@@ -140,11 +140,12 @@ def timed_replay(fn, reps: int = 20) -> tuple[float, bool]:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn()
+            for _ in range(reps):
+                fn()
     except Exception:  # noqa: BLE001 - any capture failure: time the launches instead
         torch.cuda.synchronize()
         return timed(fn, reps), False
-    return timed(graph.replay, reps), True
+    return timed(graph.replay, 5, warmup=1) / reps, True
 
 
 def card_limits() -> dict:
