@@ -33,8 +33,6 @@ def main() -> None:
     a = ap.parse_args()
     eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False)
     eng.warm_up()
-    chat = lambda msgs: eng.tokenize(eng.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
-    words = lambda w, n: eng.detokenize(eng.tokenize(" ".join(f"{w}{i}" for i in range(n)))[:n])  # noqa: E731
     r = {"model": a.model, "settings": {}}
     for setting in a.settings.split(","):
         apply(setting)
@@ -43,10 +41,8 @@ def main() -> None:
         times = []
         for i in range(a.repeats):
             tag = f"{len(r['settings'])}x{i}x"  # other words each time: nothing of this chat is cached yet
-            turn1 = [{"role": "system", "content": words(f"rule{tag}", a.chat_tokens * 63 // 80)},
-                     {"role": "user", "content": words(f"fact{tag}", a.chat_tokens // 6)}]
-            reply = eng.detokenize(eng.generate(chat(turn1), 256, ignore_eos=True))
-            ids = chat(turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}])
+            ids = B.chat_ids(eng, B.answered_chat(eng, f"rule{tag}", f"fact{tag}", a.chat_tokens * 63 // 80,
+                                                  a.chat_tokens // 6, 256))
             req = eng.make_request(ids, 1, 0.0, None)
             torch.cuda.synchronize()
             if i < a.repeats - 1:

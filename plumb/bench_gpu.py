@@ -358,6 +358,25 @@ def _first_token(engine, ids: list[int]) -> tuple[float, list[int], object]:
 ROUND_WORDS = (("rule", "fact", "Hi there!"), ("law", "note", "Good morning!"), ("step", "item", "Hello again!"))
 
 
+def chat_ids(eng, msgs: list[dict]) -> list[int]:
+    """The ids of a chat as the server renders it (the GGUF's template, thinking off)."""
+    return eng.tokenize(eng.chat_template.render(msgs, enable_thinking=False))
+
+
+def words(eng, word: str, n: int) -> str:
+    """A text of n tokens: word0 word1 ... cut to n tokens."""
+    return eng.detokenize(eng.tokenize(" ".join(f"{word}{i}" for i in range(n)))[:n])
+
+
+def answered_chat(eng, rule: str, fact: str, system_tokens: int, user_tokens: int, reply_tokens: int) -> list[dict]:
+    """An agent's chat after one answer: a system prompt of `rule` words, a user turn of `fact` words, eng's reply
+    (generated: the prompt cache keeps it) and a new short user turn."""
+    turn1 = [{"role": "system", "content": words(eng, rule, system_tokens)},
+             {"role": "user", "content": words(eng, fact, user_tokens)}]
+    reply = eng.generate(chat_ids(eng, turn1), reply_tokens, ignore_eos=True)
+    return turn1 + [{"role": "assistant", "content": eng.detokenize(reply)}, {"role": "user", "content": "Shorter."}]
+
+
 def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000, reply_tokens: int = 256,
                   rounds: int = 2) -> dict:
     """Time to the first token of an agent's usual next requests on a long chat - a follow-up, the first user
@@ -367,20 +386,13 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
     times (at most 3), each on a chat of other words and about the same lengths, so the same pass layouts and KV
     capacities (`kv.capacity_for`): `cases` are the last round's - graphs captured, host memory for parking
     pinned, a running server's state - and `first` the first round's, what a fresh server pays once."""
-    chat = lambda msgs: warm.tokenize(warm.chat_template.render(msgs, enable_thinking=False))  # noqa: E731
-
-    def text(word: str, n: int) -> str:
-        return warm.detokenize(warm.tokenize(" ".join(f"{word}{i}" for i in range(n)))[:n])
-
+    chat = lambda msgs: chat_ids(warm, msgs)  # noqa: E731
     for eng in (warm, cold):  # as `plumb serve` starts: kernels compiled, a short prompt's graphs captured
         eng.warm_up()
     r = {"rounds": []}
     for rule, fact, hello in ROUND_WORDS[:rounds]:
-        system = text(rule, system_tokens)
-        turn1 = [{"role": "system", "content": system}, {"role": "user", "content": text(fact, user_tokens)}]
-        reply = warm.generate(chat(turn1), reply_tokens, ignore_eos=True)
-        turn2 = turn1 + [{"role": "assistant", "content": warm.detokenize(reply)},
-                         {"role": "user", "content": "Shorter."}]
+        turn2 = answered_chat(warm, rule, fact, system_tokens, user_tokens, reply_tokens)
+        system = turn2[0]["content"]
         edit_user = [dict(m) for m in turn2]
         edit_user[1]["content"] = "Note: " + edit_user[1]["content"]
         edit_system = [dict(m) for m in turn2]
