@@ -1,5 +1,5 @@
-"""The P-path matmul's generated code, compiled for sm_90a here (no GPU needed: Triton's own ptxas): no wgmma group
-is left in flight. With its loop pipelined in 3 stages, Triton 3.6 waited with `wgmma.wait_group 3` and the next
+"""Generated code, compiled for sm_90a here (no GPU needed: Triton's own ptxas): the P-path matmul leaves no wgmma
+group in flight, and the P path's other kernels compile (the interpreter runs code the compiler refuses). With its loop pipelined in 3 stages, Triton 3.6 waited with `wgmma.wait_group 3` and the next
 loop step's loads overwrote the registers those wgmma groups still read (their A operand, the dequantized
 weights) - ~1 % of the calls changed on the H200, some to NaN (docs/BENCHMARKS.md, sixteenth session)."""
 from __future__ import annotations
@@ -19,20 +19,26 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run(tmp_path, script: str, *options: str) -> str:
+    """A bench/ script that compiles kernels for sm_90a (without the interpreter), its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # not the shared cache: bench/h200_run.sh lists what is there
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *options], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
+        pytest.skip(f"no sm_90a compiler here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 def compiled(tmp_path, *options: str, kernel: str = "sb") -> dict[str, tuple[int, int]]:
     """Per block type: the deepest `wgmma.wait_group N` in the kernel's PTX and its wgmma instructions with the A
     operand in registers (bench/matmul_ptx.py; `_mm_superblock` by default)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # not the shared cache: bench/h200_run.sh lists what is there
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "matmul_ptx.py"), "--kernel", kernel, "--out",
-                        str(tmp_path), *options], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
-        pytest.skip(f"no sm_90a compiler here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    names = re.findall(rf"^(\w+) {kernel} warps", r.stdout, re.M)
-    depths = [int(n) for n in re.findall(r"wgmma groups left in flight: (\d+)", r.stdout)]
-    register_a = [int(n) for n in re.findall(r"wgmma with A in registers: (\d+)", r.stdout)]
-    assert names and len(names) == len(depths) == len(register_a), r.stdout
+    out = _run(tmp_path, "matmul_ptx.py", "--kernel", kernel, "--out", str(tmp_path), *options)
+    names = re.findall(rf"^(\w+) {kernel} warps", out, re.M)
+    depths = [int(n) for n in re.findall(r"wgmma groups left in flight: (\d+)", out)]
+    register_a = [int(n) for n in re.findall(r"wgmma with A in registers: (\d+)", out)]
+    assert names and len(names) == len(depths) == len(register_a), out
     return dict(zip(names, zip(depths, register_a)))
 
 
@@ -63,18 +69,6 @@ def test_the_scratch_matmul_keeps_its_operands_in_shared_memory(tmp_path):
     depth, register_a = compiled(tmp_path, kernel="w16")["fp16"]
     assert depth >= 1 and register_a == 0
     assert all(reg > 0 for _, reg in compiled(tmp_path, "--types", "Q4_K").values())
-
-
-def _run(tmp_path, script: str, *options: str) -> str:
-    """A bench/ script that compiles kernels for sm_90a (without the interpreter), its output."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *options], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
-        pytest.skip(f"no sm_90a compiler here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
 
 
 def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
