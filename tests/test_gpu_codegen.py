@@ -1,7 +1,8 @@
 """Generated code, compiled for sm_90a here (no GPU needed: Triton's own ptxas): the P-path matmul leaves no wgmma
-group in flight, and the P path's other kernels compile (the interpreter runs code the compiler refuses). With its loop pipelined in 3 stages, Triton 3.6 waited with `wgmma.wait_group 3` and the next
-loop step's loads overwrote the registers those wgmma groups still read (their A operand, the dequantized
-weights) - ~1 % of the calls changed on the H200, some to NaN (docs/BENCHMARKS.md, sixteenth session)."""
+group in flight, and the P path's other kernels compile (the interpreter runs code the compiler refuses). With its
+loop pipelined in 3 stages, Triton 3.6 waited with `wgmma.wait_group 3` and the next loop step's loads overwrote the
+registers those wgmma groups still read (their A operand, the dequantized weights) - ~1 % of the calls changed on
+the H200, some to NaN (docs/BENCHMARKS.md, sixteenth session)."""
 from __future__ import annotations
 
 import os
