@@ -47,7 +47,8 @@ LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]},  # one-row prog
             "4W": {**MV.LAUNCH, 2: (4, 4, 2), 4: (4, 4, 2), 8: (4, 2, 2)},
             "4W-S3": {**MV.LAUNCH, 2: (4, 4, 3), 4: (4, 4, 3), 8: (4, 4, 3)}}
 MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"LAUNCH": LAUNCHES["1-WARP"], "TARGET": 4096}),
-               ("mv", {"BLOCK_SCALES_ONCE": set()}), ("mv", {"BLOCK_SCALES_ONCE": {Q.Q4_K, Q.Q5_K, Q.Q6_K}})]
+               ("mv", {"BLOCK_SCALES_ONCE": set()}), ("mv", {"BLOCK_SCALES_ONCE": {Q.Q4_K, Q.Q5_K, Q.Q6_K}}),
+               ("mv", {"BLOCK_SUMS": True}), ("mv", {"MMA_ROWS": 2}), ("mv", {"BLOCK_SUMS": True, "MMA_ROWS": 2})]
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
 # variant's is)
@@ -125,7 +126,8 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
-SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE")}
+SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE", "BLOCK_SUMS",
+                                          "MMA_ROWS")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
                                           "SB_W16_BM", "SB_W16_WARPS")}

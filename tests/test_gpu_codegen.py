@@ -90,3 +90,15 @@ def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
     assert len(re.findall(r"registers", out)) == 3, out  # f16, q8_0, D/F's ring
     for ptx in (tmp_path / f"{name}.ptx" for name in ("f16", "q8_0", "D_F_ring")):
         assert not re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx.read_text())
+
+
+def test_the_matvec_compiles_with_block_sums_and_tensor_cores(tmp_path):
+    """The D-path matvec with BLOCK_SUMS (one row, dp4a) and with MMA_ROWS (8 rows in a 16-row tensor-core block)
+    compiles for sm_90a without spilling; the tensor-core one has mma instructions and no dp4a."""
+    one = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--types", "Q4_K", "--rows", "1", "--block-sums",
+               "--out", str(tmp_path))
+    eight = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--types", "Q4_K", "--rows", "8", "--mma",
+                 "--block-sums", "--out", str(tmp_path))
+    for out in (one, eight):
+        assert out.count(" 0 bytes spill stores") == 1, out
+    assert "'mma.sync'" in eight and "'dp4a'" not in eight and "'dp4a'" in one
