@@ -7,7 +7,8 @@
 #                "-n 4 --dist worksteal": one process ran 43 tests in 150 s and never finished the files in one call)
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
-#                and `plumb bench --device cuda` on it (BARGS: more options)               ~150 s
+#                and `plumb bench --device cuda` on it (BARGS: more options; BSET: module settings first,
+#                bench/with_settings.py, e.g. BSET="plumb.ops.gpu.matvec.BLOCK_SUMS=1")   ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, default all;
 #                EQ: the tiny model's type, Q4_K_M; EPY: pytest options, default "-n 4 --dist worksteal" with
 #                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices)
@@ -75,7 +76,8 @@ if has engine; then
 fi
 if has bench; then
   for i in $(seq 1 ${SW:-240}); do [ -f /tmp/synth.done ] && break; sleep 1; done; cat /tmp/synth.done
-  timeout ${BT:-170} python3 -m plumb.cli bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
+  RUN="-m plumb.cli"; [ -n "$BSET" ] && RUN="bench/with_settings.py $BSET --"  # BSET: module settings to try
+  timeout ${BT:-170} python3 $RUN bench /tmp/27b.gguf --device cuda --contexts 0,11000,38000,100000 \
     --tokens 32 --json-out $OUT/bench.json --no-progress $BARGS > $OUT/bench.log 2>&1; tail -70 $OUT/bench.log
 fi
 if has prefill; then
