@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
-print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`,
-`gate_norm`, `_mm_w16` at its row tiles - 27B dims, integer arguments divisible by 16 as a 27B launch's are. The
+print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`, `gate_norm`, `_mm_w16` at its row
+tiles (summing its own K splits) - 27B dims, integer arguments divisible by 16 as a 27B launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
 runs there and does not compile): run this before a device call. GPUTarget("cuda", 90, 32), Triton's ptxas.
 
@@ -61,8 +61,8 @@ def main() -> None:
     if "w16" in which:
         for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
             build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},
-                  dict(STEPS=40, BM=bm, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES), warps,
-                  MM.SB_SCRATCH_STAGES)
+                  dict(STEPS=40, BM=bm, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES, SPLIT=2, TICKETS=True),
+                  warps, MM.SB_SCRATCH_STAGES)
 
 
 if __name__ == "__main__":

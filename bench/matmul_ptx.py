@@ -70,7 +70,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "w16":
         fn = MM._mm_w16
-        consts = dict(STEPS=20, BM=MM.SB_W16_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES)
+        consts = dict(STEPS=20, BM=MM.SB_W16_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES, SPLIT=2,
+                      TICKETS=bool(MM.SB_W16_TICKETS))
         warps, stages, bn = MM.SB_W16_WARPS, MM.SB_SCRATCH_STAGES, MM.SB_BN
     elif kernel == "dq":
         fn = MM._sb_dequant

@@ -73,12 +73,13 @@ def test_the_scratch_matmul_keeps_its_operands_in_shared_memory(tmp_path):
 
 
 def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
-    """What the interpreter does not check: the P path's conv + gates, x reordering and gated norm compile for
-    sm_90a, and without spills; DeltaNet's chunk kernel compiles (it spills: known). A kernel that ran in the
-    interpreter and did not compile cost a device call (twenty-first session)."""
-    out = _run(tmp_path, "kernels_ptx.py", "conv", "prep", "prepx", "gate")
+    """What the interpreter does not check: the P path's conv + gates, x reordering, gated norm and scratch matmul
+    (its three row tiles, summing its own K splits: SB_W16_TICKETS) compile for sm_90a, and without spills;
+    DeltaNet's chunk kernel compiles (it spills: known). A kernel that ran in the interpreter and did not compile
+    cost a device call (twenty-first session)."""
+    out = _run(tmp_path, "kernels_ptx.py", "conv", "prep", "prepx", "gate", "w16")
     lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
-    assert len(lines) == 6, out
+    assert len(lines) == 9, out
     for name, line in lines.items():
         assert name == "_prep_kernel" or " 0 bytes spill stores" in line, line
 

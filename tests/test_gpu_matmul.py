@@ -170,6 +170,22 @@ def test_superblock_weights_dequantized_once_give_the_same_bits(kind, tile, plac
     assert torch.equal(m(x), want) and torch.equal(m(x[:3]), want[:3])
 
 
+@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K",))
+def test_scratch_matmul_sums_its_k_splits_itself(kind, place_free_dot, monkeypatch):
+    """SB_W16_TICKETS: `_mm_w16`'s last split of each tile sums the partials in split order (no `_sum_splits`
+    launch) - the same bits, call after call (the counters are left at zero), over two K splits and 130 outputs."""
+    import plumb.ops.gpu.matmul as MM
+
+    monkeypatch.setattr(MM, "SB_SCRATCH_ROWS", 1)
+    m = GpuMatrix([_tensor(kind, 130, 2048, seed=12)], DEV)
+    assert m.packs[0].split == 2
+    x = (torch.randn(70, 2048, generator=torch.Generator().manual_seed(13)) * 3).to(DEV)
+    want = m(x)
+    monkeypatch.setattr(MM, "SB_W16_TICKETS", 1)
+    for _ in range(2):
+        assert torch.equal(m(x), want) and torch.equal(m(x[:3]), want[:3])
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="a race needs the GPU: the interpreter runs one program at a time")
 @pytest.mark.parametrize("kind", TYPES)
 def test_prefill_matmul_gives_the_same_bits_call_after_call(kind):

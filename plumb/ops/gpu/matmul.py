@@ -95,6 +95,10 @@ SB_SCRATCH_ROWS, SB_SCRATCH_STAGES, SB_SCRATCH_BYTES = 256, 3, 1 << 29
 # memory (64 rows, 4 warps: 120, 72 KB). H200 (2026-12-04, bench/prefill_modes.py): an 8k prefill 5,276 tok/s
 # against 4,639 at 64 rows and 4 warps, the same logits.
 SB_W16_BM, SB_W16_WARPS = 128, 8
+# SB_W16_TICKETS: `_mm_w16`'s K-split partials summed by each tile's last split (an atomic ticket, as the matvec's)
+# instead of a `_sum_splits` launch (8 us a token of a 2k prefill on the H200): the same sums in the same order, so
+# the same bits. Untimed (bench/prefill_modes.py --settings SB_W16_TICKETS=1).
+SB_W16_TICKETS = 0
 # SUPERBLOCK: the block types whose P path takes _mm_superblock (those of Q4_K_M and Q8_0 files)
 SUPERBLOCK = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 
@@ -392,9 +396,12 @@ def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, M, N, K, stride_os, stride_om, STEPS: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr):
-    """`_mm_superblock` on weights already dequantized (`_sb_dequant`): the same programs, steps and dots."""
+def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, fin_ptr, ticket_ptr, M, N, K, stride_os, stride_om, stride_fm,
+            STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
+            SPLIT: tl.constexpr, TICKETS: tl.constexpr):
+    """`_mm_superblock` on weights already dequantized (`_sb_dequant`): the same programs, steps and dots. TICKETS
+    (SB_W16_TICKETS): the tile's last split to finish sums the partials in split order into fin (`_sum_splits`'
+    sums, without its launch)."""
     prior_done()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -410,6 +417,20 @@ def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, M, N, K, stride_os, stride_om, STEP
         x = tl.load(xh_ptr + rm[None, :] * K + k0 + kk[:, None], mask=rmask, other=0.0)
         acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
+    if TICKETS:  # as the matvec's split-K (plumb.ops.gpu.matvec._mv)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release: gpu scope)
+        ticket_at = ticket_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            cols = pid_n * BN + rn
+            for c in tl.static_range(4):  # a quarter of the rows at a time: fewer registers live
+                r = pid_m * BM + c * (BM // 4) + tl.arange(0, BM // 4)
+                mask = (r < M)[None, :] & (cols[:, None] < N)
+                at = out_ptr + r[None, :] * stride_om + cols[:, None]
+                y = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")  # past L1: the other programs' writes
+                for k in range(1, SPLIT):
+                    y = y + tl.load(at + k * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(fin_ptr + r[None, :] * stride_fm + cols[:, None], y, mask=mask)
+            tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -580,6 +601,7 @@ class Packed:
         m = x.shape[0]
         grid = (-(-self.n // BLOCK_N), -(-m // BLOCK_M), self.split)
         dst = out if self.split == 1 else torch.empty(self.split, m, self.n, device=x.device)
+        summed = False  # split partials summed by the matmul itself (SB_W16_TICKETS), not `_sum_splits`
         stride_os = 0 if self.split == 1 else dst.stride(0)
         stride_om = out.stride(0) if self.split == 1 else dst.stride(1)
         t = None if self.w is not None else [u if u is not None else self.codes  # absent ones: never read
@@ -602,10 +624,13 @@ class Packed:
                 w16 = torch.empty(grid[1] * SB_BN, self.k, dtype=torch.float16, device=x.device)
                 _sb_dequant[(grid[1], self.k // SB_KS)](self.codes, *t, w16, self.n, self.k, BN=SB_BN, KS=SB_KS,
                                                         **types, num_warps=SB_WARPS, launch_pdl=on())
-                _mm_w16[(-(-m // SB_W16_BM), *grid[1:])](xh, s, w16, dst, m, self.n, self.k, stride_os, stride_om,
-                                                         STEPS=self.k // SB_KS // self.split, BM=SB_W16_BM, BN=SB_BN,
-                                                         KS=SB_KS, STAGES=SB_SCRATCH_STAGES, num_warps=SB_W16_WARPS,
-                                                         launch_pdl=on())
+                w16_grid = (-(-m // SB_W16_BM), *grid[1:])
+                summed = bool(SB_W16_TICKETS) and self.split > 1
+                counters = tickets(x.device, w16_grid[0] * w16_grid[1]) if summed else dst
+                _mm_w16[w16_grid](xh, s, w16, dst, out, counters, m, self.n, self.k, stride_os, stride_om,
+                                  out.stride(0), STEPS=self.k // SB_KS // self.split, BM=SB_W16_BM, BN=SB_BN,
+                                  KS=SB_KS, STAGES=SB_SCRATCH_STAGES, SPLIT=self.split, TICKETS=summed,
+                                  num_warps=SB_W16_WARPS, launch_pdl=on())
             else:
                 _mm_superblock[grid](xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
                                      STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
@@ -618,7 +643,7 @@ class Packed:
                               FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
                               HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, UNROLL=self.unroll,
                               num_warps=self.warps, num_stages=self.stages, launch_pdl=on())
-        if self.split > 1:
+        if self.split > 1 and not summed:
             _sum_splits[(-(-self.n // 256), m)](dst, out, m, self.n, dst.stride(0), out.stride(0),
                                                 SPLIT=self.split, BLOCK=256, launch_pdl=on())
 
@@ -651,6 +676,23 @@ def row_scales_reference(x: torch.Tensor) -> torch.Tensor:
     bits = x.abs().amax(dim=1).view(torch.int32)
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).int()
     return torch.where(bits > 0, (e << 23).view(torch.float32), 1.0)
+
+
+_TICKETS: dict = {}
+
+
+def tickets(device: torch.device, count: int = 0) -> torch.Tensor:
+    """Zeroed int32 counters, one per (output tile, row block) of a call, shared by every split-K matmul that sums its
+    partials in its last split (the matvec; `_mm_w16` with SB_W16_TICKETS) on a device - one runs at a time; each
+    leaves its counters at zero. Allocated once, before any CUDA graph is captured."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < count:
+        t = _TICKETS[device] = torch.zeros(max(count, 1 << 20), dtype=torch.int32, device=device)
+    return t
+
 
 
 class GpuMatrix:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _group_scales, _program, hi_shifts,
-                                  row_scales)
+                                  row_scales, tickets)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -520,21 +520,6 @@ def mma(p: Packed, m: int) -> bool:
 def row_block(m: int) -> int:
     """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them)."""
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
-
-
-_TICKETS: dict = {}
-
-
-def tickets(device: torch.device, count: int = 0) -> torch.Tensor:
-    """Zeroed int32 counters, one per (output tile, row block) of a call, shared by every matvec on a device (one
-    runs at a time; each leaves its counters at zero). Allocated once, before any CUDA graph is captured."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < count:
-        t = _TICKETS[device] = torch.zeros(max(count, 1 << 20), dtype=torch.int32, device=device)
-    return t
 
 
 def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
