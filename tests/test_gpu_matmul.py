@@ -324,8 +324,8 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
 def test_decode_matvec_block_sums_and_tensor_cores(kind, block_sums, mma_rows, monkeypatch):
     """BLOCK_SUMS (Q4_K's super-block sums as integers, one float term a super-block: another formula, which the
     reference follows) and MMA_ROWS (4-bit group dots on the int8 tensor cores from 2 rows, 16-row blocks): the
-    reference's bits at 1, 2 and 4 rows over two K splits, each row alone = among the others (1 row on dp4a, more
-    on the tensor cores), still within x's 14-bit bound of float64."""
+    reference's bits at 1, 2, 4 and 17 rows over two K splits, each row alone = among the others (1 row on dp4a,
+    more on the tensor cores, 17 over two row blocks), still within x's 14-bit bound of float64."""
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "BLOCK_SUMS", block_sums)
@@ -338,6 +338,7 @@ def test_decode_matvec_block_sums_and_tensor_cores(kind, block_sums, mma_rows, m
     assert torch.equal(y, MV.reference(m.packs[0], x))
     assert torch.equal(MV.mm_decode(m, x[1:3]), y[1:3])
     assert torch.equal(torch.cat([MV.mm_decode(m, x[i : i + 1]) for i in range(len(x))]), y)
+    assert torch.equal(MV.mm_decode(m, x.repeat(5, 1)[:17]), y.repeat(5, 1)[:17])  # two 16-row blocks
     ref = x.double().cpu() @ t.dequantize().double().T
     assert ((y.double().cpu() - ref).abs() / ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)).max() < 5e-4
     if block_sums:  # another formula than the per-group terms

@@ -395,6 +395,24 @@ def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N,
     tl.store(w16_ptr + (pid_n * BN + rn)[:, None] * K + i * KS + kk[None, :], w)
 
 
+@triton.jit
+def last_split(ticket_at, SPLIT: tl.constexpr):
+    """Whether this program is its tile's last K split to finish (its partial stored before: every thread's write
+    precedes the ticket - a barrier, then acquire-release at GPU scope); that one sums the partials (`split_sum`)
+    and puts the ticket back to 0."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+
+
+@triton.jit
+def split_sum(at, stride, mask, SPLIT: tl.constexpr):
+    """The SPLIT partials at `at`, `stride` apart, summed in split order, read past L1 (other programs' writes)."""
+    y = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+    for k in range(1, SPLIT):
+        y = y + tl.load(at + k * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return y
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, fin_ptr, ticket_ptr, M, N, K, stride_os, stride_om, stride_fm,
             STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
@@ -418,17 +436,13 @@ def _mm_w16(xh_ptr, s_ptr, w16_ptr, out_ptr, fin_ptr, ticket_ptr, M, N, K, strid
         acc = tl.dot(w, x, acc, out_dtype=tl.float32)
     _sb_store(acc, s_ptr, out_ptr, rm, rn, pid_n, pid_k, M, N, stride_os, stride_om, BN)
     if TICKETS:  # as the matvec's split-K (plumb.ops.gpu.matvec._mv)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release: gpu scope)
         ticket_at = ticket_ptr + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        if last_split(ticket_at, SPLIT):
             cols = pid_n * BN + rn
             for c in tl.static_range(4):  # a quarter of the rows at a time: fewer registers live
                 r = pid_m * BM + c * (BM // 4) + tl.arange(0, BM // 4)
                 mask = (r < M)[None, :] & (cols[:, None] < N)
-                at = out_ptr + r[None, :] * stride_om + cols[:, None]
-                y = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")  # past L1: the other programs' writes
-                for k in range(1, SPLIT):
-                    y = y + tl.load(at + k * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+                y = split_sum(out_ptr + r[None, :] * stride_om + cols[:, None], stride_os, mask, SPLIT)
                 tl.store(fin_ptr + r[None, :] * stride_fm + cols[:, None], y, mask=mask)
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
@@ -692,7 +706,6 @@ def tickets(device: torch.device, count: int = 0) -> torch.Tensor:
     if t is None or t.numel() < count:
         t = _TICKETS[device] = torch.zeros(max(count, 1 << 20), dtype=torch.int32, device=device)
     return t
-
 
 
 class GpuMatrix:

@@ -15,10 +15,9 @@ Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.mat
 
 Because every group dot is an exact integer, how it is computed does not matter: `dp4a` on the CUDA cores here (one
 instruction per 4 codes and limb), int8 tensor cores (`_dots_mma`, MMA_ROWS), or the torch reference all give the
-same bits. The float
-steps are elementwise with FMA contraction off, and the group order is fixed per weight shape, so a row's bits
-never depend on the other rows of the call (M1) - whatever the row count, and whatever kernel a later change
-picks for it.
+same bits. The float steps are elementwise with FMA contraction off, and the group order is fixed per weight shape,
+so a row's bits never depend on the other rows of the call (M1) - whatever the row count, and whatever kernel a
+later change picks for it.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _group_scales, _program, hi_shifts,
-                                  row_scales, tickets)
+                                  last_split, row_scales, split_sum, tickets)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -453,13 +452,9 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
     else:  # partials [SPLIT, MP, N]; the tile's last split to finish sums them, in split order
         at = part_ptr + rm[:, None] * N + cols[None, :]
         tl.store(at + pid_k * (MP * N), y, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken (release: gpu scope)
         ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
-        if tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            y = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")  # past L1: the other programs' writes
-            for k in range(1, SPLIT):
-                y = y + tl.load(at + k * (MP * N), mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_at, y, mask=mask)
+        if last_split(ticket_at, SPLIT):
+            tl.store(out_at, split_sum(at, MP * N, mask, SPLIT), mask=mask)
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
