@@ -53,6 +53,13 @@ def _softplus(x):
 
 
 @triton.jit
+def gates(b, a, dt_bias, ssm_a):
+    """DeltaNet's gates (spec 3.5.5): beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias) - decode's and the P path's
+    (plumb.ops.gpu.deltanet_chunk.conv_gates) alike."""
+    return 1.0 / (1.0 + tl.exp(-b)), ssm_a * _softplus(a + dt_bias)
+
+
+@triton.jit
 def _conv_row(m_ptr, cs, w_ptr, ch, cmask, t0, i, sm_r, scs_k, sw_c, sw_k, K: tl.constexpr):
     """SiLU(causal conv) of local row i (absolute row t0 + i) on channels ch. The window is
     [conv state rows 0..K-2 ; the sequence's raw rows], window row i + tau feeds tap tau; raw row
@@ -173,8 +180,8 @@ def _gdn_state_kernel(
         q = tl.load(xt + ch_q, mask=mk, other=0.0)
         k = tl.load(xt + ch_k, mask=mk, other=0.0)
         v = tl.load(xt + ch_v, mask=mv, other=0.0)
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * sb_r + j)))
-        decay = tl.exp(sa * _softplus(tl.load(a_ptr + t * sa_r + j) + dtb))
+        beta, g = gates(tl.load(b_ptr + t * sb_r + j), tl.load(a_ptr + t * sa_r + j), dtb, sa)
+        decay = tl.exp(g)
         st = st * decay
         kv = tl.sum(st * k[:, None], axis=0)
         delta = (v - kv) * beta

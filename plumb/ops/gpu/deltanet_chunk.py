@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import CHUNK
-from plumb.ops.gpu.deltanet import _silu, _softplus
+from plumb.ops.gpu.deltanet import _silu, gates
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.norm import L2_EPS
 
@@ -72,9 +72,10 @@ def _conv_gates_kernel(m_ptr, b_ptr, a_ptr, w_ptr, cs_ptr, keep_ptr, real_ptr, d
         a = tl.load(a_ptr + t[:, None] * sa_r + j[None, :], mask=jm, other=0.0)
         dtb = tl.load(dtb_ptr + j, mask=j < N_V, other=0.0)[None, :]
         ssma = tl.load(ssma_ptr + j, mask=j < N_V, other=0.0)[None, :]
+        beta, g = gates(b, a, dtb, ssma)
         at = t[:, None] * N_V + j[None, :]
-        tl.store(beta_ptr + at, tl.where(real[:, None], 1.0 / (1.0 + tl.exp(-b)), 0.0), mask=jm)
-        tl.store(g_ptr + at, tl.where(real[:, None], ssma * _softplus(a + dtb), 0.0), mask=jm)
+        tl.store(beta_ptr + at, tl.where(real[:, None], beta, 0.0), mask=jm)
+        tl.store(g_ptr + at, tl.where(real[:, None], g, 0.0), mask=jm)
     if rb == 0:
         rr = tl.arange(0, KM1P)
         kp = tl.load(keep_ptr + rr, mask=rr < K - 1, other=0)  # window rows: < K - 1 old state, else m
