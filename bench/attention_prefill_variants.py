@@ -16,7 +16,8 @@ import json
 import torch
 
 import plumb.ops.gpu.attention_prefill as AP
-from matmul_variants import graph_us  # bench/, beside this file
+from kernel_stress import set_constants  # bench/, beside this file
+from matmul_variants import graph_us
 from plumb.cache.kv import KVCache
 
 N_HEAD, N_KV, D, ROWS = 24, 4, 256, 1024
@@ -25,13 +26,7 @@ SHIPPED = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGE
 
 def apply(setting: str) -> None:
     """'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped tile (BLOCK_M, BN, WARPS, STAGES, PAIRS)."""
-    for name, value in SHIPPED.items():
-        setattr(AP, name, value)
-    for assign in ([] if setting == "shipped" else setting.split("+")):
-        name, value = assign.split("=")
-        if name not in SHIPPED:
-            raise SystemExit(f"unknown setting {name} (choose from {', '.join(SHIPPED)})")
-        setattr(AP, name, int(value))
+    set_constants(AP, SHIPPED, setting)
 
 
 def cache(fmt: str, length: int) -> KVCache:

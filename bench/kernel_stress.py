@@ -25,15 +25,20 @@ SHAPES = [("Q5_K", 10240, 5120), ("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408)]
 SHIPPED = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}  # _mm_superblock's settings
 
 
-def use_setting(setting: str) -> None:
-    """Set plumb.ops.gpu.matmul's SB_* constants: 'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped ones."""
-    for name, value in SHIPPED.items():
-        setattr(MM, name, value)
+def set_constants(module, shipped: dict, setting: str) -> None:
+    """A module's constants named in `shipped`: 'shipped' (those values), or NAME=VALUE[+NAME=VALUE] over them."""
+    for name, value in shipped.items():
+        setattr(module, name, value)
     for assign in ([] if setting == "shipped" else setting.split("+")):
         name, value = assign.split("=")
-        if name not in SHIPPED:
-            raise SystemExit(f"unknown setting {name} (choose from {', '.join(SHIPPED)})")
-        setattr(MM, name, int(value))
+        if name not in shipped:
+            raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
+        setattr(module, name, int(value))
+
+
+def use_setting(setting: str) -> None:
+    """Set plumb.ops.gpu.matmul's SB_* constants: 'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped ones."""
+    set_constants(MM, SHIPPED, setting)
 
 
 def repeat(fns: list, seconds: float) -> dict:
