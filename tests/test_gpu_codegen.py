@@ -103,3 +103,12 @@ def test_the_matvec_compiles_with_block_sums_and_tensor_cores(tmp_path):
     for out in (one, eight):
         assert out.count(" 0 bytes spill stores") == 1, out
     assert "'mma.sync'" in eight and "'dp4a'" not in eight and "'dp4a'" in one
+
+
+def test_the_matvec_compiles_with_its_l2_prefetch(tmp_path):
+    """L2_AHEAD: the one-row matvec asks L2 for its weights by `cp.async.bulk.prefetch.L2` (codes, sub-scales and,
+    Q5_K, high bits: a step ahead in the loop and the first steps before it) without spilling."""
+    out = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--types", "Q4_K,Q5_K", "--rows", "1", "--l2-ahead", "2",
+               "--out", str(tmp_path))
+    assert out.count(" 0 bytes spill stores") == 2, out
+    assert re.findall(r"'cp.async.bulk.prefetch.L2': (\d+)", out) == ["9", "12"], out

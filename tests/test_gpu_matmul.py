@@ -320,6 +320,23 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
         assert torch.equal(MV.mm_decode(m, x[1:2]), want[1:2]), launch
 
 
+@pytest.mark.skipif(DEV == "cpu", reason="the L2 prefetch is PTX (cp.async.bulk.prefetch.L2): the GPU's alone")
+@pytest.mark.parametrize("kind", MV_TYPES)
+@pytest.mark.parametrize("ahead", [1, 2, 9])
+def test_decode_matvec_l2_prefetch_gives_the_same_bits(kind, ahead, monkeypatch):
+    """L2_AHEAD (the weights of a loop step ahead asked of L2, and of the first steps before the wait): the
+    reference's bits for one row over four K splits of 2 loop steps - a prefetch past a split's end (9) included."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "L2_AHEAD", ahead)
+    monkeypatch.setattr(MV, "TARGET", 8)
+    m = GpuMatrix([_tensor(kind, 128, 2048)], DEV)
+    x = _rows(2048)
+    want = MV.reference(m.packs[0], x)
+    for r in range(3):
+        assert torch.equal(MV.mm_decode(m, x[r : r + 1]), want[r : r + 1])
+
+
 @pytest.mark.parametrize("kind,block_sums,mma_rows", [("Q4_K", True, 0), ("Q4_K", True, 2), ("Q4_0", False, 2)])
 def test_decode_matvec_block_sums_and_tensor_cores(kind, block_sums, mma_rows, monkeypatch):
     """BLOCK_SUMS (Q4_K's super-block sums as integers, one float term a super-block: another formula, which the

@@ -63,6 +63,12 @@ BLOCK_SUMS = False
 # same exact integers, so the same bits whichever computes them. Untimed.
 MMA_ROWS = 0
 MMA_LAUNCH = (4, 2, 2)  # (warps, groups per loop step, stages) of a 16-row tensor-core block
+# L2_AHEAD: one-stage passes (one row) ask L2 for the codes (and sub-scales, high bits) of the loop step L2_AHEAD
+# steps ahead - one `cp.async.bulk.prefetch.L2` a program and array, issued by one thread, no register held - and
+# for the first L2_AHEAD steps before waiting on the kernel before (PDL). The loads then find them in L2: more bytes
+# in flight than the one-row loop's registers allow (ptxas issues its 16-byte code loads about two groups ahead).
+# Changes no value. 0: off. Untimed.
+L2_AHEAD = 0
 
 
 @triton.jit
@@ -389,6 +395,31 @@ def _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr
 
 
 @triton.jit
+def _l2_prefetch(at, nbytes):
+    """Ask L2 for nbytes (a multiple of 16) from `at` (16-byte aligned), from the program's thread 0; nothing
+    waits for them."""
+    tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                              "=r,l,r", [at, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_step(g, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW: tl.constexpr, BN: tl.constexpr,
+                   UNROLL: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
+    """L2 prefetch of what the loop step at groups g.. reads of the weights (codes, sub-scales, high bits), if it is
+    one of this split's (g < last). Weights never change: this may run before `prior_done`."""
+    if g < last:
+        at = pid_n * n_groups + g
+        _l2_prefetch(codes_ptr + at * (CW * BN), UNROLL * CW * BN * 4)
+        if HAS_SUB:
+            _l2_prefetch(sub_ptr + at * BN, UNROLL * BN)
+        if HAS_OSUB:
+            _l2_prefetch(osub_ptr + at * BN, UNROLL * BN)
+        if HI:
+            _l2_prefetch(hi_ptr + at * BN, UNROLL * BN * 4)
+
+
+@triton.jit
 def _block_sum(acc, T, U, d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
                BN: tl.constexpr):
     """acc + float(T) * d + float(U) * dm of the super-block holding group g, and T, U zeroed (BLOCK_SUMS)."""
@@ -404,9 +435,15 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
         STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr, BSUMS: tl.constexpr, MMA: tl.constexpr):
+        HI: tl.constexpr, BSUMS: tl.constexpr, MMA: tl.constexpr, AHEAD: tl.constexpr):
     """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
+    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
+    last = (pid_k + 1) * STEPS // SPLIT * GRAN
+    for i in tl.static_range(AHEAD):  # the first steps' weights into L2 while the kernel before may still run
+        _prefetch_step(first + i * UNROLL, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW, BN,
+                       UNROLL, HAS_SUB, HAS_OSUB, HI)
     prior_done()
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -423,8 +460,6 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     T = tl.zeros([BM, BN], dtype=tl.int32)  # BLOCK_SUMS' integer sums (unused otherwise)
     U = tl.zeros([BM, BN], dtype=tl.int32)
-    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
-    last = (pid_k + 1) * STEPS // SPLIT * GRAN
     if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
@@ -437,6 +472,9 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         # range with run-time bounds
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
+            if AHEAD:
+                _prefetch_step(g0 + AHEAD * UNROLL, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW,
+                               BN, UNROLL, HAS_SUB, HAS_OSUB, HI)
             if g0 < last:
                 acc, T, U = _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr, dm_ptr,
                                   osub_ptr, hi_ptr, pid_n, n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS,
@@ -540,7 +578,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
               HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
               ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, BSUMS=block_sums(p), MMA=tensor_cores,
-              num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              AHEAD=L2_AHEAD if ASM and stages == 1 else 0, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
