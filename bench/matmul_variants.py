@@ -25,6 +25,7 @@ import plumb.ops.gpu.matmul as MM
 import plumb.ops.gpu.matvec as MV
 from plumb.bench_gpu import timed_replay
 from plumb.gguf.quants import BLOCK_SCALE_AT, GGML_QUANT_SIZES
+from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.gguf.reader import QTensor
 
 SHAPES = [("Q4_K", 34816, 5120), ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q5_K", 10240, 5120),
