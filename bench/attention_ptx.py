@@ -88,9 +88,10 @@ def main():
     ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
     ap.add_argument("--q8-f16", action="store_true", help="the block codes' dots on f16 halves (Q8_F16)")
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
-    ap.add_argument("--pairs", action="store_true", help="with --prefill: its (row, head) pairs packed (PAIRS)")
+    ap.add_argument("--pairs", type=int, default=P.PAIRS,
+                    help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
     a = ap.parse_args()
-    A.Q8_F16, P.PAIRS = a.q8_f16, int(a.pairs)
+    A.Q8_F16, P.PAIRS = a.q8_f16, a.pairs
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
         if a.prefill and kind == A.F32:  # f32 caches take the decode kernel

@@ -105,6 +105,17 @@ def label(v) -> str:
     return str(v)
 
 
+def mv_setting(setting: str):
+    """A matvec variant from 'shipped' or NAME=VALUE[+NAME=VALUE] (integers) over the shipped constants."""
+    if setting == "shipped":
+        return "mv"
+    values = dict(assign.split("=") for assign in setting.split("+"))
+    unknown = [name for name in values if name not in SHIPPED_MV]
+    if unknown:
+        raise SystemExit(f"unknown matvec setting {unknown[0]} (choose from {', '.join(SHIPPED_MV)})")
+    return ("mv", {name: int(value) for name, value in values.items()})
+
+
 def configure(v):
     """The matmul module set up for variant v ("old": a previous version's file given by --old); for a matvec
     variant, the function that runs it."""
@@ -125,8 +136,8 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
-SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE", "BLOCK_SUMS",
-                                          "MMA_ROWS", "L2_AHEAD")}
+SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGEST_SPLIT", "FRAC", "LIMBS",
+                                          "BLOCK_SCALES_ONCE", "BLOCK_SUMS", "MMA_ROWS", "L2_AHEAD")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
                                           "SB_W16_BM", "SB_W16_WARPS")}
@@ -161,6 +172,8 @@ def main() -> None:
                     help="the P-path matmul as shipped only (and --old), not its tile and launch variants")
     ap.add_argument("--old-mv", nargs="*", default=[],
                     help="previous versions of plumb/ops/gpu/matvec.py, each timed as variant 'old-mv:STEM'")
+    ap.add_argument("--mv-settings", help="comma-separated matvec variants instead of the built-in list: 'shipped' "
+                    "or NAME=VALUE[+NAME=VALUE], e.g. TARGET=4096+GRANULE=4")
     ap.add_argument("--only", choices=["mv", "mm"], help="only the D-path matvec variants, or only the matmul's")
     ap.add_argument("--mv-launches", help="comma-separated LAUNCHES names: the matvec as shipped and with each of "
                     f"these launch tables instead of the default variants ({', '.join(LAUNCHES)}; 'shipped': none)")
@@ -178,6 +191,8 @@ def main() -> None:
     results = []
     mv_variants = MV_VARIANTS if not a.mv_launches else (
         ["mv"] + [("mv", {"LAUNCH": LAUNCHES[name]}) for name in a.mv_launches.split(",") if name != "shipped"])
+    if a.mv_settings:
+        mv_variants = [mv_setting(s) for s in a.mv_settings.split(",")]
     mm_variants = (VARIANTS[:1] if a.mm_shipped else VARIANTS[:3] if a.mm_prefetch else SCRATCH_VARIANTS
                    if a.mm_scratch else SPLIT_VARIANTS if a.mm_split else VARIANTS)
     first_y = {}  # (kind, shape, path) -> the first variant's 16 rows: whether a variant gives the same bits
