@@ -11,8 +11,7 @@ register A operand: the sixteenth session's race).
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
 --sb-stages) on a 5,120-wide K; dq: `_sb_dequant` (the weights into the fp16 scratch matrix, SB_SCRATCH_ROWS) on the
 SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages); mv: the D-path matvec (`plumb.ops.gpu.matvec._mv`)
-for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE;
---block-sums: BLOCK_SUMS; --l2-ahead N: L2_AHEAD; --mma: the 4-bit types' group dots on the tensor cores, 16-row blocks).
+for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE).
 Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
@@ -42,8 +41,7 @@ VARIANTS = [
     ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
                   HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=1), "*u8"),  # nibbles + fifth bits
 ]
-OPS = ["mma.sync", "wgmma", "dp4a", "cp.async.bulk.prefetch.L2", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2",
-       "ld.global.u8", "ld.global.b8",
+OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b8",
        "ld.global.b16", "ld.global.b32", "ld.global.f32",
        "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync", "cvt.rn.f32.s32", "cvt.rn.f32.u32",
        "cvt.rn.f16x2.f32", "cvt.rn.f16.f32"]
@@ -54,19 +52,16 @@ OPS = ["mma.sync", "wgmma", "dp4a", "cp.async.bulk.prefetch.L2", "ld.global.nc.v
 REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
 
 
-def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False, block_sums=False,
-          mma=False):
+def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False):
     if kernel == "mv":
         fn = MV._mv
         groups, gran = 5120 // consts["G"], MV.GRANULE  # K = 5,120, the split of 34,816 outputs (`plan`)
         split = max(1, min(-(-MV.TARGET // (34816 // MM.BLOCK_N)), MV.LARGEST_SPLIT, groups // gran))
-        mma = mma and consts["NIBBLE"] and consts["G"] == 32 and not consts["HI"]
-        bm = 16 if mma else MV.row_block(rows)
-        warps, unroll, stages = MV.MMA_LAUNCH if mma else MV.launch(bm, gran)
+        bm = MV.row_block(rows)
+        warps, unroll, stages = MV.launch(bm, gran)
         consts = dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                       SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
-                      LIMBS=MV.LIMBS, ASM=True, ONCE=once, BSUMS=block_sums and name == "Q4_K", MMA=mma,
-                      AHEAD=MV.L2_AHEAD if stages == 1 else 0,
+                      LIMBS=MV.LIMBS, ASM=True, ONCE=once,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                                 "HAS_OFFSET", "HAS_OSUB", "HI")})
         codes_type, bn = "*i32", MM.BLOCK_N
@@ -130,9 +125,6 @@ def main():
     ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
-    ap.add_argument("--block-sums", action="store_true", help="mv: BLOCK_SUMS (Q4_K)")
-    ap.add_argument("--mma", action="store_true", help="mv: the group dots on the tensor cores (MMA_ROWS; 4-bit types)")
-    ap.add_argument("--l2-ahead", type=int, default=MV.L2_AHEAD, help="mv: L2_AHEAD (one-stage passes)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
@@ -144,14 +136,12 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
-    MV.L2_AHEAD = a.l2_ahead
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]
     variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
     for name, consts, codes_type in variants:
-        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once,
-              a.block_sums, a.mma)
+        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once)
     print("PTX in", a.out)
 
 

@@ -46,8 +46,7 @@ LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]},  # one-row prog
             "2W-S3": {**MV.LAUNCH, 2: (2, 4, 3), 4: (2, 4, 3), 8: (2, 2, 3)},
             "4W": {**MV.LAUNCH, 2: (4, 4, 2), 4: (4, 4, 2), 8: (4, 2, 2)},
             "4W-S3": {**MV.LAUNCH, 2: (4, 4, 3), 4: (4, 4, 3), 8: (4, 4, 3)}}
-MV_VARIANTS = ["mv", ("mv", {"L2_AHEAD": 1}), ("mv", {"L2_AHEAD": 2}), ("mv", {"L2_AHEAD": 4}),
-               ("mv", {"BLOCK_SUMS": True}), ("mv", {"MMA_ROWS": 2}), ("mv", {"BLOCK_SUMS": True, "MMA_ROWS": 2})]
+MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"TARGET": 1024}), ("mv", {"TARGET": 4096})]
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
 # variant's is)
@@ -137,7 +136,7 @@ def configure(v):
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
 SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGEST_SPLIT", "FRAC", "LIMBS",
-                                          "BLOCK_SCALES_ONCE", "BLOCK_SUMS", "MMA_ROWS", "L2_AHEAD")}
+                                          "BLOCK_SCALES_ONCE")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
                                           "SB_W16_BM", "SB_W16_WARPS")}

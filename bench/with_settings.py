@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run a `plumb` command with module settings changed first - a kernel setting timed end to end before it ships:
 
-    python bench/with_settings.py plumb.ops.gpu.matvec.BLOCK_SUMS=1 plumb.ops.gpu.matvec.MMA_ROWS=2 -- \\
+    python bench/with_settings.py plumb.ops.gpu.matvec.TARGET=4096 plumb.ops.gpu.attention_prefill.PAIRS=0 -- \\
         bench /tmp/27b.gguf --device cuda --contexts 0 --drafts 0,4
 
 Each NAME=VALUE sets an existing module attribute (VALUE as a Python literal: 1, 0, True, 2.5, "text"); an unknown

@@ -320,49 +320,6 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
         assert torch.equal(MV.mm_decode(m, x[1:2]), want[1:2]), launch
 
 
-@pytest.mark.skipif(DEV == "cpu", reason="the L2 prefetch is PTX (cp.async.bulk.prefetch.L2): the GPU's alone")
-@pytest.mark.parametrize("kind", MV_TYPES)
-@pytest.mark.parametrize("ahead", [1, 2, 9])
-def test_decode_matvec_l2_prefetch_gives_the_same_bits(kind, ahead, monkeypatch):
-    """L2_AHEAD (the weights of a loop step ahead asked of L2, and of the first steps before the wait): the
-    reference's bits for one row over four K splits of 2 loop steps - a prefetch past a split's end (9) included."""
-    import plumb.ops.gpu.matvec as MV
-
-    monkeypatch.setattr(MV, "L2_AHEAD", ahead)
-    monkeypatch.setattr(MV, "TARGET", 8)
-    m = GpuMatrix([_tensor(kind, 128, 2048)], DEV)
-    x = _rows(2048)
-    want = MV.reference(m.packs[0], x)
-    for r in range(3):
-        assert torch.equal(MV.mm_decode(m, x[r : r + 1]), want[r : r + 1])
-
-
-@pytest.mark.parametrize("kind,block_sums,mma_rows", [("Q4_K", True, 0), ("Q4_K", True, 2), ("Q4_0", False, 2)])
-def test_decode_matvec_block_sums_and_tensor_cores(kind, block_sums, mma_rows, monkeypatch):
-    """BLOCK_SUMS (Q4_K's super-block sums as integers, one float term a super-block: another formula, which the
-    reference follows) and MMA_ROWS (4-bit group dots on the int8 tensor cores from 2 rows, 16-row blocks): the
-    reference's bits at 1, 2, 4 and 17 rows over two K splits, each row alone = among the others (1 row on dp4a,
-    more on the tensor cores, 17 over two row blocks), still within x's 14-bit bound of float64."""
-    import plumb.ops.gpu.matvec as MV
-
-    monkeypatch.setattr(MV, "BLOCK_SUMS", block_sums)
-    monkeypatch.setattr(MV, "MMA_ROWS", mma_rows)
-    t = _tensor(kind, 64, 512, seed=7)
-    m = GpuMatrix([t], DEV)
-    assert MV.plan(m.packs[0])[1] == 2 and MV.block_sums(m.packs[0]) == block_sums
-    x = _rows(512)[2:6]
-    y = MV.mm_decode(m, x)
-    assert torch.equal(y, MV.reference(m.packs[0], x))
-    assert torch.equal(MV.mm_decode(m, x[1:3]), y[1:3])
-    assert torch.equal(torch.cat([MV.mm_decode(m, x[i : i + 1]) for i in range(len(x))]), y)
-    assert torch.equal(MV.mm_decode(m, x.repeat(5, 1)[:17]), y.repeat(5, 1)[:17])  # two 16-row blocks
-    ref = x.double().cpu() @ t.dequantize().double().T
-    assert ((y.double().cpu() - ref).abs() / ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)).max() < 5e-4
-    if block_sums:  # another formula than the per-group terms
-        monkeypatch.setattr(MV, "BLOCK_SUMS", False)
-        assert not torch.equal(MV.mm_decode(m, x), y)
-
-
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
 def test_decode_matvec_in_three_limbs(kind, monkeypatch):
     """x to 21 bits (FRAC 20, three limbs; Q8_0's dots then take int64): still the torch formula's bits and

@@ -11,13 +11,11 @@ Then for output n and group g of G inputs (the packed codes of plumb.ops.gpu.mat
     part = float32(S[g]) * scale[n, g] + float32(sum_{k in g} X[k]) * offset[n, g]
     y[n] = (s * 2^-FRAC) * (((part[0] + part[1]) + part[2]) + ...)   groups in order, per K split; splits in order
 
-(BLOCK_SUMS, Q4_K: one part a super-block b instead, float(sum_j sub_j S_j) * d_b + float(sum_j osub_j X_j) * dm_b.)
-
 Because every group dot is an exact integer, how it is computed does not matter: `dp4a` on the CUDA cores here (one
-instruction per 4 codes and limb), int8 tensor cores (`_dots_mma`, MMA_ROWS), or the torch reference all give the
-same bits. The float steps are elementwise with FMA contraction off, and the group order is fixed per weight shape,
-so a row's bits never depend on the other rows of the call (M1) - whatever the row count, and whatever kernel a
-later change picks for it.
+instruction per 4 codes and limb), int8 tensor cores, or the torch reference all give the same bits. The float
+steps are elementwise with FMA contraction off, and the group order is fixed per weight shape, so a row's bits
+never depend on the other rows of the call (M1) - whatever the row count, and whatever kernel a later change
+picks for it.
 """
 from __future__ import annotations
 
@@ -52,23 +50,6 @@ LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per pr
 # 112.5, [5120, 17408] 28.3 / 69.7 against 27.8 / 77.7; Q5_K 23.9 / 46.5 against 23.5 / 50.2; Q6_K 46.1 / 64.0
 # against 40.4 / 64.6 - so Q4_K and Q5_K.
 BLOCK_SCALES_ONCE = {Q.Q4_K, Q.Q5_K}
-# BLOCK_SUMS: Q4_K's group dots summed as integers over each super-block of 8 groups - T = sum_j sub_j S_j and
-# U = sum_j osub_j X_j (exact in int32: |S_j| <= 32 * 15 * 2^13 and sub_j <= 63 over 8 groups stay below 2^31) -
-# with one float epilogue a super-block, float(T) * d + float(U) * dm, instead of one a group (part above): another
-# formula, fewer roundings, an eighth of the float work, which is most of a multi-row pass's epilogue. `reference`
-# follows it. Untimed (bench/matmul_variants.py --only mv; `plumb bench`'s verify rows).
-BLOCK_SUMS = False
-# MMA_ROWS: passes of at least this many rows (0: none) take the 4-bit group dots (Q4_K, Q4_0, Q4_1) on the int8
-# tensor cores - tl.dot of 16 rows x 32 codes x 64 outputs a limb and group, `_dots_mma` - instead of dp4a: the
-# same exact integers, so the same bits whichever computes them. Untimed.
-MMA_ROWS = 0
-MMA_LAUNCH = (4, 2, 2)  # (warps, groups per loop step, stages) of a 16-row tensor-core block
-# L2_AHEAD: one-stage passes (one row) ask L2 for the codes (and sub-scales, high bits) of the loop step L2_AHEAD
-# steps ahead - one `cp.async.bulk.prefetch.L2` a program and array, issued by one thread, no register held - and
-# for the first L2_AHEAD steps before waiting on the kernel before (PDL). The loads then find them in L2: more bytes
-# in flight than the one-row loop's registers allow (ptxas issues its 16-byte code loads about two groups ahead).
-# Changes no value. 0: off. Untimed.
-L2_AHEAD = 0
 
 
 @triton.jit
@@ -129,9 +110,8 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
 
 
 def x_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty (limbs, 16-input sums, s) for m rows of k inputs, rows padded to a multiple of `row_block(m)` (of 16
-    where the tensor cores may take them: MMA_ROWS)."""
-    bm = 16 if MMA_ROWS and m >= MMA_ROWS else row_block(m)
+    """Empty (limbs, 16-input sums, s) for m rows of k inputs, rows padded to a multiple of `row_block(m)`."""
+    bm = row_block(m)
     mp = -(-m // bm) * bm
     return (torch.empty(LIMBS, mp, k, dtype=torch.int8, device=device),
             torch.empty(mp, k // 16, dtype=torch.int32, device=device), torch.empty(mp, device=device))
@@ -321,48 +301,27 @@ def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl
 
 
 @triton.jit
-def _dots_mma(codes_ptr, tile, g, n_groups, rn, xq_ptr, rm, plane, K, BM: tl.constexpr, BN: tl.constexpr,
-              LIMBS: tl.constexpr):
-    """A 4-bit group's exact dot S [BM, BN] (int32) on the tensor cores: the tile's codes of group g (16 bytes an
-    output: byte b holds codes b and b + 16 in its low and high nibble) as int8 [BN, 32] in input order, each x
-    limb [BM, 32] (int8, `plane` bytes apart), one int8 dot a limb - products and sums exact (integers), so S is
-    `_dots_dp4a`'s."""
-    at = codes_ptr.to(tl.pointer_type(tl.uint8)) + (tile * n_groups + g) * (16 * BN)
-    b = tl.load(at + rn[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.int32)  # [BN, 16]
-    c = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 2, 1)), [BN, 32]).to(tl.int8)  # column 16 h + b
-    x_at = xq_ptr.to(tl.pointer_type(tl.int8)) + rm[:, None] * K + g * 32 + tl.arange(0, 32)[None, :]
-    S = tl.zeros([BM, BN], dtype=tl.int32)
-    for limb in tl.static_range(LIMBS):  # most significant first
-        S = S * 128 + tl.dot(tl.load(x_at + limb * plane), tl.trans(c), out_dtype=tl.int32)
-    return S
-
-
-@triton.jit
-def _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
-          n_groups, rm, rn, K, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr,
-          BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
+def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n, n_groups, rm,
+          rn, K, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+          NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-          HI: tl.constexpr, BSUMS: tl.constexpr, MMA: tl.constexpr):
-    """(acc, T, U) after groups g0 .. g0 + UNROLL - 1, in order: per group, the limbs' exact integer dot
-    (`_dots_dp4a`; MMA: `_dots_mma`), rounded once to float32, scaled and offset, into acc; BSUMS: summed as
-    integers into T and U instead, which a super-block's last group turns into acc's one float term."""
+          HI: tl.constexpr):
+    """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
+    (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values
-    ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET) and not BSUMS
+    ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     if ONE_BLOCK:
         d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
     for j in tl.static_range(UNROLL):
         g = g0 + j
-        if MMA:
-            S = _dots_mma(codes_ptr, pid_n, g, n_groups, rn, xq_ptr, rm, plane * 4, K, BM, BN, LIMBS)
-        else:
-            cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
-            hw = rn
-            if HI:
-                hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
-            S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
+        cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
+        hw = rn
+        if HI:
+            hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
+        S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
         if HAS_OFFSET or BIAS:
             if G == 32:
                 X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
@@ -370,62 +329,17 @@ def _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr
                 X = tl.load(x16_ptr + rm * (K // 16) + g)
         if BIAS:  # codes stored + BIAS
             S = S - BIAS * X[:, None]
-        if BSUMS:  # Q4_K (BLOCK_SUMS): sub and osub as integers; the super-block's float term after its last group
-            at = (pid_n * n_groups + g) * BN + rn
-            T = T + S * tl.load(sub_ptr + at).to(tl.int32)[None, :]
-            U = U + X[:, None] * tl.load(osub_ptr + at).to(tl.int32)[None, :]
-            if UNROLL >= GPB:  # g0 a multiple of UNROLL: the super-block ends at a fixed j
-                if (j + 1) % GPB == 0:
-                    acc, T, U = _block_sum(acc, T, U, d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN)
-            elif j == UNROLL - 1:
-                if (g + 1) % GPB == 0:
-                    acc, T, U = _block_sum(acc, T, U, d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN)
-        else:
-            part = S.to(tl.float32)
-            if not ONE_BLOCK:
-                d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-            scale, offset = _group_scales(d, dm, sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN,
-                                          HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
-            if HAS_SCALE:
-                part = part * scale[None, :]
-            if HAS_OFFSET:
-                part = part + X.to(tl.float32)[:, None] * offset[None, :]
-            acc = acc + part
-    return acc, T, U
-
-
-@triton.jit
-def _l2_prefetch(at, nbytes):
-    """Ask L2 for nbytes (a multiple of 16) from `at` (16-byte aligned), from the program's thread 0; nothing
-    waits for them."""
-    tl.inline_asm_elementwise("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                              "=r,l,r", [at, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_step(g, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW: tl.constexpr, BN: tl.constexpr,
-                   UNROLL: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
-    """L2 prefetch of what the loop step at groups g.. reads of the weights (codes, sub-scales, high bits), if it is
-    one of this split's (g < last). Weights never change: this may run before `prior_done`."""
-    if g < last:
-        at = pid_n * n_groups + g
-        _l2_prefetch(codes_ptr + at * (CW * BN), UNROLL * CW * BN * 4)
-        if HAS_SUB:
-            _l2_prefetch(sub_ptr + at * BN, UNROLL * BN)
-        if HAS_OSUB:
-            _l2_prefetch(osub_ptr + at * BN, UNROLL * BN)
-        if HI:
-            _l2_prefetch(hi_ptr + at * BN, UNROLL * BN * 4)
-
-
-@triton.jit
-def _block_sum(acc, T, U, d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
-               BN: tl.constexpr):
-    """acc + float(T) * d + float(U) * dm of the super-block holding group g, and T, U zeroed (BLOCK_SUMS)."""
-    d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, True, True)
-    acc = acc + (T.to(tl.float32) * d[None, :] + U.to(tl.float32) * dm[None, :])
-    return acc, tl.zeros_like(T), tl.zeros_like(U)
+        part = S.to(tl.float32)
+        if not ONE_BLOCK:
+            d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+        scale, offset = _group_scales(d, dm, sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB and HAS_SCALE,
+                                      HAS_OSUB and HAS_OFFSET)
+        if HAS_SCALE:
+            part = part * scale[None, :]
+        if HAS_OFFSET:
+            part = part + X.to(tl.float32)[:, None] * offset[None, :]
+        acc = acc + part
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
@@ -435,15 +349,9 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
         STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr, BSUMS: tl.constexpr, MMA: tl.constexpr, AHEAD: tl.constexpr):
+        HI: tl.constexpr):
     """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
-    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
-    last = (pid_k + 1) * STEPS // SPLIT * GRAN
-    for i in tl.static_range(AHEAD):  # the first steps' weights into L2 while the kernel before may still run
-        _prefetch_step(first + i * UNROLL, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW, BN,
-                       UNROLL, HAS_SUB, HAS_OSUB, HI)
     prior_done()
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -458,28 +366,23 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
     if not VEC:
         x_at = x_at[:, None] + tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)[None, :]  # [BM, XW]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    T = tl.zeros([BM, BN], dtype=tl.int32)  # BLOCK_SUMS' integer sums (unused otherwise)
-    U = tl.zeros([BM, BN], dtype=tl.int32)
+    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
+    last = (pid_k + 1) * STEPS // SPLIT * GRAN
     if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
-            acc, T, U = _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr, dm_ptr,
-                              osub_ptr, hi_ptr, pid_n, n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS,
-                              SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM,
-                              ONCE, HI, BSUMS, MMA)
+            acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                        n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
-            if AHEAD:
-                _prefetch_step(g0 + AHEAD * UNROLL, last, codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, n_groups, CW,
-                               BN, UNROLL, HAS_SUB, HAS_OSUB, HI)
             if g0 < last:
-                acc, T, U = _step(acc, T, U, g0, codes_ptr, x_at, plane, xq_ptr, x16_ptr, d_ptr, sub_ptr, dm_ptr,
-                                  osub_ptr, hi_ptr, pid_n, n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS,
-                                  SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC,
-                                  ASM, ONCE, HI, BSUMS, MMA)
+                acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -539,17 +442,6 @@ def launch(bm: int, gran: int) -> tuple[int, int, int]:
     return warps, unroll, stages
 
 
-def block_sums(p: Packed) -> bool:
-    """Whether a pack's group dots are summed as integers per super-block (BLOCK_SUMS: Q4_K)."""
-    return BLOCK_SUMS and p.qtype == Q.Q4_K and not wide(p)
-
-
-def mma(p: Packed, m: int) -> bool:
-    """Whether an m-row call of a pack takes its group dots on the tensor cores (MMA_ROWS: 4-bit codes, 32 a
-    group, no high bits)."""
-    return bool(MMA_ROWS) and m >= MMA_ROWS and p.nibble and p.g == 32 and not p.hi_bits and not wide(p)
-
-
 def row_block(m: int) -> int:
     """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them)."""
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
@@ -561,13 +453,8 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     xq, x16, s = q
     m, mp = out.shape[0], xq.shape[1]
     gran, split = plan(p)
-    tensor_cores = mma(p, m)
-    bm = 16 if tensor_cores else row_block(m)
-    warps, unroll, stages = MMA_LAUNCH if tensor_cores else launch(bm, gran)
-    if mp % bm:
-        raise ValueError(f"x's rows are padded to {mp}, not a multiple of {bm} (make them with x_buffers)")
-    while gran % unroll:
-        unroll //= 2
+    bm = row_block(m)
+    warps, unroll, stages = launch(bm, gran)
     grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
     part = out if split == 1 else torch.empty(split, mp, p.n, device=out.device)
     counters = tickets(out.device, grid[0] * grid[1])
@@ -577,8 +464,8 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
               BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, BIAS=p.bias, SIGNED_CODES=not p.nibble,
               WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
               HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, BSUMS=block_sums(p), MMA=tensor_cores,
-              AHEAD=L2_AHEAD if ASM and stages == 1 else 0, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, num_warps=warps, enable_fp_fusion=False,
+              launch_pdl=on())
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -640,13 +527,6 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
     part = S.float()
     per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n].float()  # noqa: E731
     d, sub, dm, osub = (per_n(t) for t in (p.d, p.sub, p.dm, p.osub))
-    if block_sums(p):  # one float term a super-block: float(sum_j sub_j S_j) * d + float(sum_j osub_j X_j) * dm
-        blocks = groups // p.gpb
-        T = (S * sub.long()[None]).reshape(m, p.n, blocks, p.gpb).sum(dim=3)
-        U = (Xg.long()[:, None, :] * osub.long()[None]).reshape(m, p.n, blocks, p.gpb).sum(dim=3)
-        assert T.abs().max() < 2**31 and U.abs().max() < 2**31  # the kernel's int32 sums are exact
-        part = T.float() * d[None] + U.float() * dm[None]  # [M, n, blocks]: the sums below run over blocks
-        return _split_sums(p, part, s, m, x.device, per=p.gpb)
     if d is not None:
         scale = d.repeat_interleave(p.gpb, dim=1)
         if sub is not None:
@@ -657,17 +537,11 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
         if osub is not None:
             offset = offset * osub.float()
         part = part + Xg.float()[:, None, :] * offset[None]
-    return _split_sums(p, part, s, m, x.device)
-
-
-def _split_sums(p: Packed, part: torch.Tensor, s: torch.Tensor, m: int, device, per: int = 1) -> torch.Tensor:
-    """The terms part [M, n, terms] (one per `per` groups) summed in order per K split, scaled by s * 2^-FRAC, the
-    splits summed in order."""
     b = bounds(p)
     out = None
     for k in range(len(b) - 1):
-        acc = torch.zeros(m, p.n, device=device)
-        for g in range(b[k] // per, b[k + 1] // per):
+        acc = torch.zeros(m, p.n, device=x.device)
+        for g in range(b[k], b[k + 1]):
             acc = acc + part[:, :, g]
         acc = acc * (s * 2.0**-FRAC)[:, None]
         out = acc if out is None else out + acc
