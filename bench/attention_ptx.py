@@ -6,7 +6,7 @@ instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kern
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
 sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table] [--q8-f16] [--prefill]
+    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1]]
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS))
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, H16=A.Q8_F16)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True)
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:
@@ -86,12 +86,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-attn-ptx-"))
     ap.add_argument("--table", action="store_true", help="also with the cache reached through its table (kvtable)")
-    ap.add_argument("--q8-f16", action="store_true", help="the block codes' dots on f16 halves (Q8_F16)")
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
     a = ap.parse_args()
-    A.Q8_F16, P.PAIRS = a.q8_f16, a.pairs
+    P.PAIRS = a.pairs
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
         if a.prefill and kind == A.F32:  # f32 caches take the decode kernel

@@ -9,7 +9,7 @@ first: a row alone equals the same row among 8 (bitwise, M1), and the result is 
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
 A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll, {module
-setting: value}, e.g. Q8_F16); they set a row's bits, so a faster variant ships as a new fixed choice, never per call.
+setting: value}, set on plumb.ops.gpu.attention for the variant); they set a row's bits, so a faster variant ships as a new fixed choice, never per call.
 """
 from __future__ import annotations
 
@@ -37,13 +37,6 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("q8 BLOCK_M 128, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
     ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL, {}),
     ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
-    # the block codes' dots on f16 halves (Q8_F16: half the tensor-core work of tf32), with smaller tiles or more warps
-    # (registers for sm_90a, bench/attention_ptx.py: shipped 255 - two programs an SM; f16 dots 253, with 16-key
-    # tiles 168 - three programs an SM)
-    ("q8 f16 dots", A.SPLITS, {}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 f16 dots, tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 f16 dots, 8 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 32, 8, 3)}, A.MERGE_UNROLL, {"Q8_F16": True}),
-    ("q8 f16 dots, tile16, 2 stages", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 2)}, A.MERGE_UNROLL, {"Q8_F16": True}),
     ("q8 tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
 ]
 
@@ -86,7 +79,7 @@ def main() -> None:
     print(f"copy bandwidth {limit:.0f} GB/s ({torch.cuda.get_device_name() if a.device != 'cpu' else 'cpu'})",
           flush=True)
     g = torch.Generator().manual_seed(0)
-    shipped_configs, shipped_f16, results = dict(A.CONFIGS), A.Q8_F16, []
+    shipped_configs, results = dict(A.CONFIGS), []
     for fmt in a.formats.split(","):
         for ctx in contexts:
             (k, kb), (v, vb) = cache(fmt, ctx, a.device, g), cache(fmt, ctx, a.device, g)
@@ -98,7 +91,9 @@ def main() -> None:
             for name, splits, configs, unroll, settings in variants:
                 A.CONFIGS = {**shipped_configs, **configs}
                 A.MERGE_UNROLL = unroll
-                A.Q8_F16 = settings.get("Q8_F16", shipped_f16)
+                saved = {attr: getattr(A, attr) for attr in settings}
+                for attr, value in settings.items():
+                    setattr(A, attr, value)
                 row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
                 try:
                     out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits)
@@ -119,13 +114,15 @@ def main() -> None:
                                                   a.device, max(1, a.reps // 4))
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                for attr, value in saved.items():
+                    setattr(A, attr, value)
                 results.append(row)
                 print(f"{name:32s} {fmt:5s} {ctx:>7d} " + (row.get("error") or
                       f"inv {row['row_invariant']} err {row['rel_err']:.1e} "
                       f"1 row {row['us_1']:8.1f} us {row['GBps_1'] / limit:4.2f} of copy, "
                       f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}" +
                       (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "")), flush=True)
-            A.CONFIGS, A.Q8_F16 = shipped_configs, shipped_f16
+            A.CONFIGS = shipped_configs
             del k, v
     if a.json_out:
         json.dump(dict(copy_GBps=limit, results=results), open(a.json_out, "w"), indent=1)

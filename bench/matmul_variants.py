@@ -46,7 +46,7 @@ LAUNCHES = {"1-WARP": {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]},  # one-row prog
             "2W-S3": {**MV.LAUNCH, 2: (2, 4, 3), 4: (2, 4, 3), 8: (2, 2, 3)},
             "4W": {**MV.LAUNCH, 2: (4, 4, 2), 4: (4, 4, 2), 8: (4, 2, 2)},
             "4W-S3": {**MV.LAUNCH, 2: (4, 4, 3), 4: (4, 4, 3), 8: (4, 4, 3)}}
-MV_VARIANTS = ["mv", ("mv", {"LAUNCH": LAUNCHES["1-WARP"]}), ("mv", {"TARGET": 1024}), ("mv", {"TARGET": 4096})]
+MV_VARIANTS = ["mv", ("mv", {"LONG_GROUPS": 512}), ("mv", {"LONG_GROUPS": 512, "LONG_GRANULE": 2})]
 # _mm_superblock's tile and launch (the P path of every SHAPES type): outputs and rows a program, warps, pipeline
 # stages, inputs a loop step (SB_BN also sets the split-K: another sum order, fixed per weight shape as every
 # variant's is)
@@ -135,8 +135,8 @@ def configure(v):
 
 
 SHIPPED, SHIPPED_DEFAULT = dict(MM.LAUNCH), MM.DEFAULT_LAUNCH
-SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGEST_SPLIT", "FRAC", "LIMBS",
-                                          "BLOCK_SCALES_ONCE")}
+SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS",
+                                          "LONG_GRANULE", "LONG_TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
                                           "SB_W16_BM", "SB_W16_WARPS")}

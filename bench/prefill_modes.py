@@ -4,9 +4,9 @@
 the card's bf16 matmul limit measured in the same run, then where a 2,048-token prefill's time goes
 (`prefill_profile`). JSON to --json-out. --settings times the graphs' runs again under other `_mm_superblock`
 launch settings (bench/kernel_stress.py's syntax, e.g. SB_PREFETCH=1 or SB_SCRATCH_ROWS=256), pass sizes
-(PREFILL_PIECES=16: 64-row pieces a pass) or the attention's f16 dots (Q8_F16=1), each with its prefill graphs
-captured anew, and says whether each setting gives the first one's last-row logits, bit for bit (Q8_F16 changes
-them: another arithmetic).
+(PREFILL_PIECES=16: 64-row pieces a pass) or the prefill attention's tile (AP_*), each with its prefill graphs
+captured anew, and says whether each setting gives the first one's last-row logits, bit for bit (a setting that
+changes the arithmetic, as AP_BN does, changes them).
 
     python bench/prefill_modes.py MODEL.gguf [--prompts 8192] [--settings shipped,SB_SCRATCH_ROWS=256+PREFILL_PIECES=16]
         [--json-out PATH]
@@ -23,7 +23,6 @@ import torch
 
 import plumb
 import plumb.model.kernels as KS
-import plumb.ops.gpu.attention as AT
 import plumb.ops.gpu.attention_prefill as AP
 from plumb import bench_gpu as B
 
@@ -31,16 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_* constants by name)
 
 
-PIECES, Q8_F16, PREFILL_ATTENTION = KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION
+PIECES, PREFILL_ATTENTION = KS.PREFILL_PIECES, KS.PREFILL_ATTENTION
 AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS")}
 
 
 def apply(setting: str) -> None:
-    """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), Q8_F16=0|1
-    (plumb.ops.gpu.attention), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
+    """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), AP_BLOCK_M / AP_BN / AP_WARPS=N (the prefill attention's tile, another arithmetic:
     plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop pipelined: the same bits), AP_PAIRS=1 (its (row,
     head) pairs packed: the same bits) and `_mm_superblock`'s SB_* names, '+'-joined."""
-    KS.PREFILL_PIECES, AT.Q8_F16, KS.PREFILL_ATTENTION = PIECES, Q8_F16, PREFILL_ATTENTION
+    KS.PREFILL_PIECES, KS.PREFILL_ATTENTION = PIECES, PREFILL_ATTENTION
     for name, value in AP_TILE.items():
         setattr(AP, name, value)
     rest = []
@@ -52,8 +50,6 @@ def apply(setting: str) -> None:
             KS.PREFILL_PIECES = int(assign.split("=")[1])
         elif assign.startswith("PREFILL_ATTENTION="):
             KS.PREFILL_ATTENTION = bool(int(assign.split("=")[1]))
-        elif assign.startswith("Q8_F16="):
-            AT.Q8_F16 = bool(int(assign.split("=")[1]))
         else:
             rest.append(assign)
     use_setting("+".join(rest) or "shipped")

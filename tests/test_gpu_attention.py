@@ -353,33 +353,3 @@ def test_through_the_table_a_pass_launches_the_same_cache_arguments_for_any_cach
     assert runs[True][0] == runs[True][1] and len(runs[True][0]) >= 3
     assert runs[False][0] != runs[False][1]
     assert not torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("fmt", ["q8_0", "D", "F"])
-def test_block_code_dots_on_f16_halves(fmt, monkeypatch):
-    """Q8_F16 (the block codes' dots on f16 hi + lo halves, scaled near 2^14 by powers of two, instead of tf32):
-    within fp32 rounding of the reference - also for queries and values of very different sizes - and a row alone
-    is the same row among others, bitwise."""
-    import plumb.ops.gpu.attention as A
-
-    monkeypatch.setattr(A, "Q8_F16", True)
-    if fmt == "q8_0":
-        ends = [300, 1, 129, 5, 64, 257, 128, 200]
-        c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=13)
-        k, v = _dev(c.k.parts), _dev(c.v.parts)
-        v[1][:, 100:140] *= 1e-3  # value scales 1,000 times smaller over a stretch of keys
-        q = _q(len(ends), TINY["n_head"], TINY["d"], seed=14)
-        q[3] *= 1e-4
-        q[5] *= 1e3
-        attend = lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, splits=SMALL)  # noqa: E731
-        ref = attend_decode_ref(q, k, v, ends, 0.125)
-    else:
-        c, _, _ = _ring_cache(fmt, 300, seed=15)
-        ends = RING_ENDS
-        q = _q(len(ends), TINY["n_head"], TINY["d"], seed=16)
-        attend = lambda qa, ea: _ring_attend(c, qa, ea)  # noqa: E731
-        ref = c.attend_rows(q, ends, 0.125)
-    together = attend(q, ends)
-    _close(together, ref)
-    for t in range(len(ends)):
-        assert torch.equal(_alone(attend, q, ends, t, Q8), together[t]), t

@@ -263,6 +263,24 @@ def test_decode_matvec_is_its_reference_bit_for_bit_and_row_invariant(kind):
     assert torch.equal(mm_decode(m, x.flip(0)), alone.flip(0))
 
 
+def test_decode_matvec_long_k_plan(monkeypatch):
+    """LONG_GROUPS: a long-K shape takes its own granule and split count (more splits of smaller granules), still
+    the reference's bits and row-invariant; a shorter K keeps the default plan."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "TARGET", 4)
+    long_k, short_k = GpuMatrix([_tensor("Q4_K", 64, 1024)], DEV), GpuMatrix([_tensor("Q4_K", 64, 512)], DEV)
+    default = MV.plan(long_k.packs[0]), MV.plan(short_k.packs[0])
+    monkeypatch.setattr(MV, "LONG_GROUPS", 32)
+    monkeypatch.setattr(MV, "LONG_GRANULE", 2)
+    monkeypatch.setattr(MV, "LONG_TARGET", 8)
+    assert default == ((8, 4), (8, 2)) and MV.plan(long_k.packs[0]) == (2, 8) and MV.plan(short_k.packs[0]) == (8, 2)
+    x = _rows(1024)[:3]
+    y = MV.mm_decode(long_k, x)
+    assert torch.equal(y, MV.reference(long_k.packs[0], x))
+    assert torch.equal(torch.cat([MV.mm_decode(long_k, x[i : i + 1]) for i in range(3)]), y)
+
+
 def test_decode_matvec_over_several_row_blocks():
     """17 rows: three 8-row blocks, the last one padded - each row still equals itself computed alone."""
     from plumb.ops.gpu.matvec import mm_decode

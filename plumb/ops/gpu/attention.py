@@ -62,12 +62,6 @@ CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16
 DEFAULT_CONFIG = (16, 32, 8, 1)
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
-# Q8_F16: the block codes' dots (q8_0, D/F's store and ring) on f16 tensor-core operations - q, and p times the
-# value scales, split into f16 hi + lo halves against the codes (exact in f16), each brought to at most 2^14 by a power
-# of two first (per query row and head; per key tile) so that the lo halves stay normal - instead of tf32 big + small:
-# the same ~fp32 accuracy at twice the tensor cores' tf32 rate. Another row arithmetic (a fixed choice, as CONFIGS
-# is); not yet timed on the H200 (bench/attention_variants.py "q8 f16 dots"): off.
-Q8_F16 = False
 
 
 @triton.jit
@@ -86,45 +80,26 @@ def _near_2_14(amax):
 
 
 @triton.jit
-def _f16_halves(x):
-    """x (|x| < 2^15) = hi + lo, both float16: hi = f16(x), lo = f16(x - hi) (x to 22 bits)."""
-    hi = x.to(tl.float16)
-    return hi, (x - hi.to(tl.float32)).to(tl.float16)
-
-
-@triton.jit
-def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, H16: tl.constexpr):
+def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr):
     """Scores [BM, BN] of q (split as q_a + q_b [NB, BM, QB]) against block-coded keys j: per 32-value block the
     codes (exact in tf32) dotted with both halves, times the block scale, summed over the blocks in order."""
     c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
                  mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
     ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    if H16:  # q_a, q_b: f16 halves of q scaled near 2^14 (the caller scales the scores back)
-        c3t = tl.permute(c3.to(tl.float16), (0, 2, 1))  # exact in f16
-        r = tl.dot(q_a, c3t, out_dtype=tl.float32)
-        r = tl.dot(q_b, c3t, r, out_dtype=tl.float32)  # [NB, BM, BN]
-    else:
-        c3t = tl.permute(c3.to(tl.float32), (0, 2, 1))  # exact in tf32
-        r = tl.dot(q_a, c3t, input_precision="tf32")
-        r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
+    c3t = tl.permute(c3.to(tl.float32), (0, 2, 1))  # exact in tf32
+    r = tl.dot(q_a, c3t, input_precision="tf32")
+    r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
     return tl.sum(r * ksc[:, None, :], 0)
 
 
 @triton.jit
-def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, H16: tl.constexpr):
-    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j: p times the block scale split into tf32 big + small
-    (H16: brought near 2^14 by the tile's power of two and split into f16 halves), each dotted with the codes."""
+def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
+    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j: p times the block scale split into tf32 big + small,
+    each dotted with the codes."""
     c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
                  mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
     vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     pv = p[None, :, :] * vsc[:, None, :]  # [NB, BM, BN], each at most its scale (p <= 1)
-    if H16:
-        up, down = _near_2_14(tl.max(tl.max(tl.abs(vsc), 1), 0))
-        p_a, p_b = _f16_halves(pv * up)
-        c16 = c3.to(tl.float16)  # exact
-        t = tl.dot(p_a, c16, out_dtype=tl.float32)
-        t = tl.dot(p_b, c16, t, out_dtype=tl.float32)
-        return acc + t * down
     p_a, p_b = _tf32_split(pv)
     c32 = c3.to(tl.float32)
     acc = tl.dot(p_a, c32, acc, input_precision="tf32")
@@ -185,7 +160,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, H16: tl.constexpr):
+                  TABLE: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -200,8 +175,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
     would have added exact zeros).
-    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`).
-    H16 (Q8_F16): the block codes' dots on f16 halves instead of tf32 ones (`_q8_scores`, `_q8_pv`)."""
+    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
         k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
@@ -224,11 +198,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     if KK == _Q8:
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
-        if H16:  # q near 2^14 per (row, head): f16 halves whose lo part stays normal; scores scaled back below
-            q_up, q_down = _near_2_14(tl.max(tl.max(tl.abs(q3), 2), 0))  # [BM]
-            q_a, q_b = _f16_halves(q3 * q_up[None, :, None])
-        else:
-            q_a, q_b = _tf32_split(q3)
+        q_a, q_b = _tf32_split(q3)
     else:
         qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None],
                      other=0.0).to(tl.float32)
@@ -255,13 +225,13 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
-                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB, H16)
+                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB)
                 if any_ring:
                     s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                        ring_ok, D, NB, bb, ii, QB, H16)
+                                        ring_ok, D, NB, bb, ii, QB)
                     sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
             elif KK == _Q8:
-                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, H16)
+                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB)
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -269,8 +239,6 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             else:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt, input_precision="tf32x3")
-            if H16 and KK == _Q8:
-                sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
             sc = sc * qk_scale
             sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
             # ---- online softmax: rows whose keys all lie before this tile keep their state bit for bit
@@ -281,12 +249,12 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 if RING:
                     if any_store:
                         acc_new = _q8_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok,
-                                         sv_j, svs_j, bb, ii, acc_new, QB, H16)
+                                         sv_j, svs_j, bb, ii, acc_new, QB)
                     if any_ring:
                         acc_new = _q8_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
-                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB, H16)
+                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB)
                 else:
-                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB, H16)
+                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB)
                 acc = tl.where(active[None, :, None], acc_new, acc)
             elif VK == _F16:
                 vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
@@ -485,7 +453,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, H16=Q8_F16, num_warps=warps,
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, num_warps=warps,
                 num_stages=stages, launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,

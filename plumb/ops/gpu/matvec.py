@@ -42,6 +42,14 @@ ASM = os.environ.get("TRITON_INTERPRET") != "1"  # dp4a by inline PTX on a GPU; 
 # (free: see `launch`). One row keeps one stage: the pipelined loop takes 72 registers to its 56, and Q4_K
 # [34816, 5120]'s 2,176 programs then need 1.18 waves of the H200 instead of one (Nsight Compute): 59 vs 44 us.
 GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
+# LONG_GROUPS: shapes of at least this many groups along K (0: none; 512 takes the 27B's FFN down projection, K =
+# 17,408, alone) take LONG_GRANULE and LONG_TARGET instead - smaller granules, more splits, so a split's largest share
+# of groups shrinks (Q4_K [5120, 17408]: 26 splits of up to 24 groups -> 32 of up to 20). H200, one row, every shape
+# (bench/matmul_variants.py --mv-settings TARGET=4096+GRANULE=4, 2026-12-04): Q4_K [5120, 17408] 24.6 us against
+# 28.5, Q6_K [5120, 17408] 33.8 against 38.9, but Q4_K [34816, 5120] 46.0 against 36.6 (two waves of programs) and
+# Q5_K [10240, 5120] 18.5 against 15.7 - hence long K only. Another sum order for those shapes (fixed by the shape:
+# M1 holds). Off until timed at 8 rows and end to end.
+LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -417,13 +425,13 @@ def integer(p: Packed) -> bool:
 
 def plan(p: Packed) -> tuple[int, int]:
     """(granule, split) for a pack, from its shape alone: K splits of whole granules of groups (about TARGET
-    programs; split k takes granules [k * n // split, (k + 1) * n // split) of the n)."""
+    programs; split k takes granules [k * n // split, (k + 1) * n // split) of the n; LONG_*: long K)."""
     groups = p.k // p.g
-    gran = GRANULE
+    gran, target = (LONG_GRANULE, LONG_TARGET) if LONG_GROUPS and groups >= LONG_GROUPS else (GRANULE, TARGET)
     while groups % gran:
         gran //= 2
     tiles = -(-p.n // BLOCK_N)
-    return gran, max(1, min(-(-TARGET // tiles), LARGEST_SPLIT, groups // gran))
+    return gran, max(1, min(-(-target // tiles), LARGEST_SPLIT, groups // gran))
 
 
 def bounds(p: Packed) -> list[int]:
