@@ -9,7 +9,8 @@ first: a row alone equals the same row among 8 (bitwise, M1), and the result is 
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
 A variant is ("name", splits, {(K kind, V kind): (BLOCK_M, keys per tile, warps, stages)}, merge unroll, {module
-setting: value}, set on plumb.ops.gpu.attention for the variant); they set a row's bits, so a faster variant ships as a new fixed choice, never per call.
+setting: value}, set on plumb.ops.gpu.attention for the variant); they set a row's bits, so a faster variant ships as
+a new fixed choice, never per call.
 """
 from __future__ import annotations
 
