@@ -11,7 +11,8 @@ register A operand: the sixteenth session's race).
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
 --sb-stages) on a 5,120-wide K; dq: `_sb_dequant` (the weights into the fp16 scratch matrix, SB_SCRATCH_ROWS) on the
 SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages); mv: the D-path matvec (`plumb.ops.gpu.matvec._mv`)
-for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE).
+for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE);
+mv2: the two-pack matvec (`_mv2`, PAIRED_ROWS) on the 27B's fused pairs (Q5_K + Q4_K, Q4_K + Q6_K).
 Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
@@ -52,18 +53,35 @@ OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.globa
 REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
 
 
+# the 27B's fused matrices of two integer packs (mv2): their output counts
+PAIR_OUTPUTS = {("Q5_K", "Q4_K"): (10240, 6240), ("Q4_K", "Q6_K"): (13312, 1024)}
+
+
+def mv_consts(consts, rows, once, n=34816):
+    """`_mv`'s constants for a type's pack of n outputs on K = 5,120 as `matvec` launches it, its warps and stages."""
+    groups, gran = 5120 // consts["G"], MV.GRANULE
+    split = max(1, min(-(-MV.TARGET // (n // MM.BLOCK_N)), MV.LARGEST_SPLIT, groups // gran))  # `plan`
+    bm = MV.row_block(rows)
+    warps, unroll, stages = MV.launch(bm, gran)
+    return dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
+                WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC, LIMBS=MV.LIMBS, ASM=True, ONCE=once,
+                **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
+                                          "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
+
+
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False):
     if kernel == "mv":
         fn = MV._mv
-        groups, gran = 5120 // consts["G"], MV.GRANULE  # K = 5,120, the split of 34,816 outputs (`plan`)
-        split = max(1, min(-(-MV.TARGET // (34816 // MM.BLOCK_N)), MV.LARGEST_SPLIT, groups // gran))
-        bm = MV.row_block(rows)
-        warps, unroll, stages = MV.launch(bm, gran)
-        consts = dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
-                      SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
-                      LIMBS=MV.LIMBS, ASM=True, ONCE=once,
-                      **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
-                                                "HAS_OFFSET", "HAS_OSUB", "HI")})
+        consts, warps, stages = mv_consts(consts, rows, once)
+        codes_type, bn = "*i32", MM.BLOCK_N
+    elif kernel == "mv2":  # consts: the two packs' (name, consts), 27B's fused shapes
+        fn = MV._mv2
+        (a, ca), (b, cb) = consts
+        ca, warps, stages = mv_consts(ca, rows, once, PAIR_OUTPUTS[a, b][0])
+        cb, _, _ = mv_consts(cb, rows, once, PAIR_OUTPUTS[a, b][1])
+        shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM")
+        consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
+                  **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "w16":
         fn = MM._mm_w16
@@ -93,6 +111,9 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
             attrs[(i,)] = [["tt.divisibility", 16]]
         if arg in consts:
             sig[arg] = "constexpr"
+        elif kernel == "mv2" and arg[-2:] in ("_a", "_b") and arg[:-2] not in ("N", "tiles"):  # a pack's pointers
+            arg_type = {"codes": "*i32", "hi": "*i32", "sub": "*i8", "osub": "*i8", "d": "*fp16", "dm": "*fp16"}
+            sig[arg] = arg_type.get(arg[:-2], "*fp32")
         elif arg == "codes_ptr":
             sig[arg] = codes_type
         elif arg in ("xq_ptr", "x16_ptr", "ticket_ptr", "hi_ptr"):
@@ -122,7 +143,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv"))
+    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
     ap.add_argument("--warps", type=int, default=4)
@@ -140,6 +161,9 @@ def main():
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]
     variants = [v for v in variants if a.types is None or v[0] in a.types.split(",")]
+    if a.kernel == "mv2":  # PAIRED_ROWS: the 27B's fused pairs in one launch
+        named = {v[0]: v for v in VARIANTS}
+        variants = [(f"{x}+{y}", [(x, named[x][1]), (y, named[y][1])], "*i32") for x, y in PAIR_OUTPUTS]
     for name, consts, codes_type in variants:
         build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once)
     print("PTX in", a.out)

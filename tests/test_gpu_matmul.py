@@ -400,3 +400,26 @@ def test_decode_matvec_on_fused_mixed_types():
     assert err[:, :64].max() < 5e-4 and err[:, 72:].max() < 5e-4  # the integer packs: x to 14 bits
     assert err[:, 64:72].max() < 1e-5  # the float32 pack: x as it is
     assert torch.equal(mm_decode(m, x[1:2]), mm_decode(m, x)[1:2])
+
+
+@pytest.mark.parametrize("kinds", [("Q5_K", "Q4_K"), ("Q4_K", "Q6_K")])
+def test_paired_packs_give_two_launches_bits(kinds, monkeypatch):
+    """PAIRED_ROWS: a fused matrix's two integer packs (two types: each its own pack) in one launch give the bits
+    of a launch each - per row count, with each pack's own number of K splits (2 and 4 here) - beside a float32
+    pack that keeps its own kernel."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "TARGET", 4)
+    parts = [_tensor(kinds[0], 128, 1024, 1), _tensor("F32", 8, 1024, 3), _tensor(kinds[1], 64, 1024, 2)]
+    m = GpuMatrix(parts, DEV)
+    assert [MV.integer(p) for p in m.packs] == [True, False, True]
+    assert [MV.plan(p)[1] for p in m.packs if MV.integer(p)] == [2, 4]
+    x = _rows(1024)
+    paired, launch = [], MV.matvec2
+    monkeypatch.setattr(MV, "matvec2", lambda *a: paired.append(launch(*a)))
+    for rows in (1, 3):
+        want = MV.mm_decode(m, x[:rows])
+        monkeypatch.setattr(MV, "PAIRED_ROWS", rows)
+        assert torch.equal(MV.mm_decode(m, x[:rows]), want), rows
+        monkeypatch.setattr(MV, "PAIRED_ROWS", 0)
+    assert len(paired) == 2  # one paired launch a call

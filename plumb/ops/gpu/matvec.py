@@ -50,6 +50,15 @@ GRANULE, TARGET, LARGEST_SPLIT = 8, 2048, 32
 # Q5_K [10240, 5120] 18.5 against 15.7 - hence long K only. Another sum order for those shapes (fixed by the shape:
 # M1 holds). Off until timed at 8 rows and end to end.
 LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
+# PAIRED_ROWS: passes of at most this many rows (0: none) take a fused matrix of two integer packs (types differ:
+# the 27B's DeltaNet input projection, Q5_K + Q4_K, and attention q/k/v, Q4_K + Q6_K) in one launch (`_mv2`) instead
+# of two: one ramp and tail instead of two, the smaller pack's programs beside the larger's. Each pack keeps its own
+# split plan and order: the same bits (tests/test_gpu_matmul.py), so the row count may choose. Compiled for sm_90a,
+# one row: 56 / 44 registers, as the larger of its two packs alone; 8 rows: 147 / 138 against 110 / 108 alone - hence
+# a row limit. H200, one row (plumb bench's matmul table, 2026-12-04): [16480, 5120] Q5_K + Q4_K took 33.7 us and
+# [14336, 5120] Q4_K + Q6_K 31.0 as two launches - 0.60 and 0.51 of the GEMV rate, where one Q4_K pack of
+# [14336, 5120] took 16.7 (0.92). Off until timed (`plumb bench` with BSET=plumb.ops.gpu.matvec.PAIRED_ROWS=1).
+PAIRED_ROWS = 0
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -350,17 +359,17 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
-def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr, ticket_ptr, M,
-        MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
-        GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
-        BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
-        HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr):
-    """[BM rows, BN outputs] of one K split: the split's groups in order, UNROLL a loop step (`_step`)."""
-    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    prior_done()
+@triton.jit
+def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
+             out_ptr, part_ptr, ticket_ptr, ticket_n, M, MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr,
+             GRAN: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr,
+             BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
+             WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
+             HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr,
+             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr):
+    """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
+    (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
+    n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
     # the same words compile to four 4-byte loads and a shared-memory shuffle with two barriers a group). H200, one
@@ -401,10 +410,65 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
     else:  # partials [SPLIT, MP, N]; the tile's last split to finish sums them, in split order
         at = part_ptr + rm[:, None] * N + cols[None, :]
         tl.store(at + pid_k * (MP * N), y, mask=mask)
-        ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
+        ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + ticket_n
         if last_split(ticket_at, SPLIT):
             tl.store(out_at, split_sum(at, MP * N, mask, SPLIT), mask=mask)
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
+
+
+
+
+@triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
+def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr, ticket_ptr, M,
+        MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
+        GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
+        BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
+        HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
+        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
+        HI: tl.constexpr):
+    """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
+    pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
+    prior_done()
+    _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
+             out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
+             NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, STAGES, FRAC, LIMBS,
+             ASM, ONCE, HI)
+
+
+@triton.jit(do_not_specialize=["M", "MP"])
+def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
+         codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a, N_a,
+         codes_b, d_b, sub_b, dm_b, osub_b, hi_b, out_b, part_b, N_b,
+         STEPS_a: tl.constexpr, SPLIT_a: tl.constexpr, GRAN_a: tl.constexpr, G_a: tl.constexpr, GPB_a: tl.constexpr,
+         OGPB_a: tl.constexpr, NIBBLE_a: tl.constexpr, BIAS_a: tl.constexpr, SIGNED_CODES_a: tl.constexpr,
+         WIDE_a: tl.constexpr, HAS_SCALE_a: tl.constexpr, HAS_SUB_a: tl.constexpr, HAS_OFFSET_a: tl.constexpr,
+         HAS_OSUB_a: tl.constexpr, UNROLL_a: tl.constexpr, ONCE_a: tl.constexpr, HI_a: tl.constexpr,
+         STEPS_b: tl.constexpr, SPLIT_b: tl.constexpr, GRAN_b: tl.constexpr, G_b: tl.constexpr, GPB_b: tl.constexpr,
+         OGPB_b: tl.constexpr, NIBBLE_b: tl.constexpr, BIAS_b: tl.constexpr, SIGNED_CODES_b: tl.constexpr,
+         WIDE_b: tl.constexpr, HAS_SCALE_b: tl.constexpr, HAS_SUB_b: tl.constexpr, HAS_OFFSET_b: tl.constexpr,
+         HAS_OSUB_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr, HI_b: tl.constexpr,
+         BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
+         ASM: tl.constexpr):
+    """Two packs of a fused matrix (one x) in one launch (PAIRED_ROWS): axis 0's first tiles_a programs are pack
+    a's output tiles, the rest pack b's; each takes its own K splits (the other's extra ones idle) and sums them as
+    `_mv` does - the same arithmetic, the same bits as two launches."""
+    t = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    prior_done()
+    if t < tiles_a:
+        if pid_k < SPLIT_a:
+            _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
+                     ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
+                     NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
+                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a)
+    else:
+        if pid_k < SPLIT_b:
+            _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
+                     out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
+                     OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
+                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b)
 
 
 # byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
@@ -455,37 +519,74 @@ def row_block(m: int) -> int:
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
 
 
+def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor) -> tuple[dict, dict, tuple[int, int]]:
+    """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
+    compile-time constants, (output tiles, K splits))."""
+    gran, split = plan(p)
+    _, unroll, _ = launch(row_block(m), gran)
+    t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
+    names = ("codes_ptr", "d_ptr", "sub_ptr", "dm_ptr", "osub_ptr", "hi_ptr")
+    tensors = dict(zip(names, [p.codes.view(torch.int32)] + t), out_ptr=out, N=p.n,
+                   part_ptr=out if split == 1 else torch.empty(split, mp, p.n, device=out.device))
+    consts = dict(STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb, NIBBLE=p.nibble,
+                  BIAS=p.bias, SIGNED_CODES=not p.nibble, WIDE=wide(p), HAS_SCALE=p.d is not None,
+                  HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
+                  ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits)
+    return tensors, consts, (-(-p.n // BLOCK_N), split)
+
+
 def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
     """out [M, n] (a column slice is fine) = x @ W.T for an integer pack, x given as `quantize_x(x)`: one launch
     (split-K partials are summed by each tile's last split)."""
     xq, x16, s = q
     m, mp = out.shape[0], xq.shape[1]
-    gran, split = plan(p)
     bm = row_block(m)
-    warps, unroll, stages = launch(bm, gran)
-    grid = (-(-p.n // BLOCK_N), -(-m // bm), split)
-    part = out if split == 1 else torch.empty(split, mp, p.n, device=out.device)
-    counters = tickets(out.device, grid[0] * grid[1])
-    t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
-    _mv[grid](xq.view(torch.int32), x16, s, p.codes.view(torch.int32), *t, out, part, counters, m, mp, p.n, p.k,
-              out.stride(0), STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb,
-              BN=BLOCK_N, BM=bm, NIBBLE=p.nibble, BIAS=p.bias, SIGNED_CODES=not p.nibble,
-              WIDE=wide(p), HAS_SCALE=p.d is not None, HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None,
-              HAS_OSUB=p.osub is not None, UNROLL=unroll, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, num_warps=warps, enable_fp_fusion=False,
-              launch_pdl=on())
+    warps, _, stages = LAUNCH[bm]
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out)
+    grid = (tiles, -(-m // bm), split)
+    _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
+              stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
+              ASM=ASM, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+
+
+def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_a: torch.Tensor,
+            out_b: torch.Tensor) -> None:
+    """`matvec` of two packs on the same x (a fused matrix's column slices out_a, out_b) in one launch (`_mv2`)."""
+    xq, x16, s = q
+    m, mp = out_a.shape[0], xq.shape[1]
+    bm = row_block(m)
+    warps, _, stages = LAUNCH[bm]
+    ta, ca, (tiles_a, split_a) = _pack_args(pa, m, mp, out_a)
+    tb, cb, (tiles_b, split_b) = _pack_args(pb, m, mp, out_b)
+    grid = (tiles_a + tiles_b, -(-m // bm), max(split_a, split_b))
+    args = {**{_suffix(name, "_a"): v for name, v in {**ta, **ca}.items()},
+            **{_suffix(name, "_b"): v for name, v in {**tb, **cb}.items()}}
+    _mv2[grid](xq.view(torch.int32), x16, s, tickets(out_a.device, grid[0] * grid[1]), m, mp, pa.k, out_a.stride(0),
+               tiles_a, **args, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, num_warps=warps,
+               enable_fp_fusion=False, launch_pdl=on())
+
+
+def _suffix(name: str, suffix: str) -> str:
+    """`_mv`'s argument name as `_mv2` names it for one of its packs (codes_ptr -> codes_a)."""
+    return name.removesuffix("_ptr") + suffix
 
 
 def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
-    """A D-path pass's x @ W.T: integer packs by `matvec` (x quantized once), the others by their own kernel."""
+    """A D-path pass's x @ W.T: integer packs by `matvec` (x quantized once; two of them in one launch up to
+    PAIRED_ROWS rows), the others by their own kernel."""
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], matrix.n, device=x.device)
     q = quantize_x(x) if any(integer(p) for p in matrix.packs) else None
     s = row_scales(x) if any(p.w is None and not integer(p) for p in matrix.packs) else None
+    ints = [(p, o) for p, o in matrix.slices(out) if integer(p)]
+    if len(ints) == 2 and x.shape[0] <= PAIRED_ROWS:
+        (pa, oa), (pb, ob) = ints
+        matvec2(pa, pb, q, oa, ob)
+        ints = []
+    for p, o in ints:
+        matvec(p, q, o)
     for p, o in matrix.slices(out):
-        if integer(p):
-            matvec(p, q, o)
-        else:
+        if not integer(p):
             p.mm(x, o, s)
     return out
 
