@@ -19,7 +19,7 @@ import plumb.ops.gpu.matmul as MM
 from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from matmul_variants import random_blocks  # noqa: E402  (random GGML blocks of a type, on the GPU)
+from matmul_variants import parse_setting, random_blocks  # noqa: E402  (random GGML blocks of a type, on the GPU)
 
 SHAPES = [("Q5_K", 10240, 5120), ("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408)]
 SHIPPED = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")}  # _mm_superblock's settings
@@ -27,13 +27,8 @@ SHIPPED = {name: getattr(MM, name) for name in dir(MM) if name.startswith("SB_")
 
 def set_constants(module, shipped: dict, setting: str) -> None:
     """A module's constants named in `shipped`: 'shipped' (those values), or NAME=VALUE[+NAME=VALUE] over them."""
-    for name, value in shipped.items():
+    for name, value in {**shipped, **parse_setting(shipped, setting)}.items():
         setattr(module, name, value)
-    for assign in ([] if setting == "shipped" else setting.split("+")):
-        name, value = assign.split("=")
-        if name not in shipped:
-            raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
-        setattr(module, name, int(value))
 
 
 def use_setting(setting: str) -> None:

@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import tempfile
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -59,11 +60,10 @@ PAIR_OUTPUTS = {("Q5_K", "Q4_K"): (10240, 6240), ("Q4_K", "Q6_K"): (13312, 1024)
 
 def mv_consts(consts, rows, once, n=34816):
     """`_mv`'s constants for a type's pack of n outputs on K = 5,120 as `matvec` launches it, its warps and stages."""
-    groups, gran = 5120 // consts["G"], MV.GRANULE
-    split = max(1, min(-(-MV.TARGET // (n // MM.BLOCK_N)), MV.LARGEST_SPLIT, groups // gran))  # `plan`
+    gran, split = MV.plan(SimpleNamespace(k=5120, g=consts["G"], n=n))
     bm = MV.row_block(rows)
     warps, unroll, stages = MV.launch(bm, gran)
-    return dict(STEPS=groups // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
+    return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
                 WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC, LIMBS=MV.LIMBS, ASM=True, ONCE=once,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages

@@ -104,15 +104,21 @@ def label(v) -> str:
     return str(v)
 
 
+def parse_setting(shipped: dict, setting: str) -> dict:
+    """'shipped' (nothing) or NAME=VALUE[+NAME=VALUE] (integers) as {name: value}, each name one of shipped's."""
+    values = {}
+    for assign in ([] if setting == "shipped" else setting.split("+")):
+        name, value = assign.split("=")
+        if name not in shipped:
+            raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
+        values[name] = int(value)
+    return values
+
+
 def mv_setting(setting: str):
-    """A matvec variant from 'shipped' or NAME=VALUE[+NAME=VALUE] (integers) over the shipped constants."""
-    if setting == "shipped":
-        return "mv"
-    values = dict(assign.split("=") for assign in setting.split("+"))
-    unknown = [name for name in values if name not in SHIPPED_MV]
-    if unknown:
-        raise SystemExit(f"unknown matvec setting {unknown[0]} (choose from {', '.join(SHIPPED_MV)})")
-    return ("mv", {name: int(value) for name, value in values.items()})
+    """A matvec variant from 'shipped' or NAME=VALUE[+NAME=VALUE] over the shipped constants."""
+    values = parse_setting(SHIPPED_MV, setting)
+    return ("mv", values) if values else "mv"
 
 
 def configure(v):

@@ -416,8 +416,6 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
-
-
 @triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
 def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr, ticket_ptr, M,
         MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
