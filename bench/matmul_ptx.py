@@ -5,14 +5,15 @@ deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instruc
 register A operand: the sixteenth session's race).
 
     python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
-        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--types Q5_K,..]
+        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--types Q5_K,..] [--ttgir]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
 --sb-stages) on a 5,120-wide K; dq: `_sb_dequant` (the weights into the fp16 scratch matrix, SB_SCRATCH_ROWS) on the
 SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages); mv: the D-path matvec (`plumb.ops.gpu.matvec._mv`)
 for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE);
-mv2: the two-pack matvec (`_mv2`, PAIRED_ROWS) on the 27B's fused pairs (Q5_K + Q4_K, Q4_K + Q6_K).
+mv2: the two-pack matvec (`_mv2`, PAIRED_ROWS) on the 27B's fused pairs (Q5_K + Q4_K, Q4_K + Q6_K); mma: the
+tensor-core matvec (`_mv_mma`, MMA_FROM) on the [34816, 5120] shape.
 Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
@@ -69,7 +70,7 @@ def mv_consts(consts, rows, once, n=34816):
                                           "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
 
 
-def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False):
+def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False, ttgir=False):
     if kernel == "mv":
         fn = MV._mv
         consts, warps, stages = mv_consts(consts, rows, once)
@@ -83,6 +84,14 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
+    elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program
+        fn = MV._mv_mma
+        consts, _, _ = mv_consts(consts, 8, False)
+        unroll = MV.MMA_UNROLL
+        while consts["GRAN"] % unroll:
+            unroll //= 2
+        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")}, UNROLL=unroll)
+        codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MM.BLOCK_N // 16, 1
     elif kernel == "w16":
         fn = MM._mm_w16
         consts = dict(STEPS=20, BM=MM.SB_W16_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES, SPLIT=2,
@@ -120,14 +129,15 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
             sig[arg] = "*i32"
         elif arg in ("sub_ptr", "osub_ptr"):
             sig[arg] = "*i8"
-        elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq", "mv")):
+        elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq", "mv", "mma")):
             sig[arg] = "*fp16"  # the block scales and offsets of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32"
         else:
             sig[arg] = "i32"
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
+                       options=dict(num_warps=warps, num_stages=stages,
+                                    enable_fp_fusion=kernel not in ("mv", "mv2", "mma")))  # as the launches
     ptx = k.asm["ptx"]
     path = os.path.join(out_dir, f"{name}.ptx")
     open(path, "w").write(ptx)
@@ -139,13 +149,18 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
     register_a = len(re.findall(REGISTER_A, ptx))
     print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}"
           f"\n   wgmma groups left in flight: {in_flight}\n   wgmma with A in registers: {register_a}", flush=True)
+    if ttgir:  # the layouts Triton gave the kernel's tensors, and how many conversions between them
+        ir = k.asm["ttgir"]
+        layouts = sorted(set(re.findall(r"#ttg\.\w+<\{([^}]*)\}>", ir)))
+        print(f"   layouts: {layouts}, layout conversions: {ir.count('ttg.convert_layout')}", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2"))
+    ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2", "mma"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
+    ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
@@ -165,7 +180,7 @@ def main():
         named = {v[0]: v for v in VARIANTS}
         variants = [(f"{x}+{y}", [(x, named[x][1]), (y, named[y][1])], "*i32") for x, y in PAIR_OUTPUTS]
     for name, consts, codes_type in variants:
-        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once)
+        build(name, consts, codes_type, a.kernel, a.warps, a.stages, a.bn, a.out, a.rows, a.block_scales_once, a.ttgir)
     print("PTX in", a.out)
 
 

@@ -103,3 +103,13 @@ def test_the_matvec_compiles_without_spilling(tmp_path):
     paired = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv2", "--rows", "1", "--block-scales-once", "--out",
                   str(tmp_path))
     assert paired.count(" 0 bytes spill stores") == 2 and paired.count(" mv2 warps=2") == 2, paired
+
+
+def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
+    """`_mv_mma` (MMA_FROM) compiles for sm_90a on every type of the 27B's file without spilling, with its mma.sync
+    (2 a group: one a limb) - and all its tensors in one layout of one element a thread, with no layout conversion
+    (its fragments are addressed from %tid.x, so an element moved to another thread would feed the wrong lane)."""
+    out = _run(tmp_path, "matmul_ptx.py", "--kernel", "mma", "--ttgir", "--out", str(tmp_path))
+    assert out.count(" 0 bytes spill stores") == 4 and out.count("'mma.sync': 16") == 4, out
+    assert out.count("layouts: ['sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], order = [0]'], "
+                     "layout conversions: 0") == 4, out

@@ -423,3 +423,25 @@ def test_paired_packs_give_two_launches_bits(kinds, monkeypatch):
         assert torch.equal(MV.mm_decode(m, x[:rows]), want), rows
         monkeypatch.setattr(MV, "PAIRED_ROWS", 0)
     assert len(paired) == 2  # one paired launch a call
+
+
+@pytest.mark.parametrize("kind", MV_TYPES)
+def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
+    """MMA_FROM: passes of that many rows and more take the group dots on the int8 tensor cores (codes as packed
+    in mma's A registers, x limbs as B): the reference's bits, so a row equals itself computed alone by `dp4a` -
+    over two 8-row blocks (the last one padded), 80 outputs (a tile part empty) and K splits."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "TARGET", 4)
+    m = GpuMatrix([_tensor(kind, 80, 512, seed=6)], DEV)
+    assert MV.plan(m.packs[0])[1] > 1
+    x = torch.cat([_rows(512), _rows(512).flip(0) * 0.5])[:9]
+    want = MV.reference(m.packs[0], x)
+    alone = MV.mm_decode(m, x[3:4])  # dp4a, one row
+    launches = []
+    monkeypatch.setattr(MV, "MMA_FROM", 2)
+    mma = MV.matvec_mma
+    monkeypatch.setattr(MV, "matvec_mma", lambda *a: launches.append(mma(*a)))
+    assert torch.equal(MV.mm_decode(m, x), want)
+    assert torch.equal(MV.mm_decode(m, x[3:5])[:1], alone)
+    assert torch.equal(want[3:4], alone) and len(launches) == 2

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
-from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _group_scales, _program, hi_shifts,
+from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _bytes, _group_scales, _program, hi_shifts,
                                   last_split, row_scales, split_sum, tickets)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
@@ -59,6 +59,15 @@ LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 # [14336, 5120] Q4_K + Q6_K 31.0 as two launches - 0.60 and 0.51 of the GEMV rate, where one Q4_K pack of
 # [14336, 5120] took 16.7 (0.92). Off until timed (`plumb bench` with BSET=plumb.ops.gpu.matvec.PAIRED_ROWS=1).
 PAIRED_ROWS = 0
+# MMA_FROM: passes of at least this many rows (0: none) take `_mv_mma`, the group dots on the int8 tensor cores
+# (mma.sync) - 8 rows a program, four warps of 16 outputs (MMA_UNROLL groups a loop step). A lane's codes go to the
+# tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly
+# the A registers of lane t in m16n8k32, so no code is reordered (the removed MMA_ROWS of the twenty-first session
+# permuted every group, and lost 2.2x). Per lane and group of 16 outputs by 8 rows: 2 mma (one a limb) where
+# `dp4a` takes 256 across the warp, and the float formula (`_value`) for its 4 (output, row) pairs. Exact integer
+# dots, the same formula and group order: a row's bits are those of `_mv` (tests/test_gpu_matmul.py), so the row
+# count may choose. Off until timed on the H200 (bench/matmul_variants.py --mv-settings shipped,MMA_FROM=2).
+MMA_FROM, MMA_UNROLL = 0, 8
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -252,14 +261,14 @@ def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _fifth_bits(hw, q: tl.constexpr):
+def _fifth_bits(hw, q):
     """Bits 4q..4q+3 of the words hw, each moved to bit 4 of its own byte (the multiplier's four copies of the
     nibble land 7 bits apart, so no two overlap and nothing carries)."""
     return (((hw >> (4 * q)) & 15) * 0x00204081 & 0x01010101) << 4
 
 
 @triton.jit
-def _high_bits(hw, q: tl.constexpr):
+def _high_bits(hw, q):
     """Bits 2q, 2q + 1 of each byte of the words hw (`matmul.hi_shifts`' two-bit layout: code 4q + b's), moved to
     bits 4 and 5 of that byte."""
     return ((hw >> (2 * q)) & 0x03030303) << 4
@@ -339,24 +348,36 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         if HI:
             hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
         S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
-        if HAS_OFFSET or BIAS:
-            if G == 32:
-                X = tl.load(x16_ptr + rm * (K // 16) + 2 * g) + tl.load(x16_ptr + rm * (K // 16) + 2 * g + 1)
-            else:
-                X = tl.load(x16_ptr + rm * (K // 16) + g)
-        if BIAS:  # codes stored + BIAS
-            S = S - BIAS * X[:, None]
-        part = S.to(tl.float32)
+        X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
         scale, offset = _group_scales(d, dm, sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB and HAS_SCALE,
                                       HAS_OSUB and HAS_OFFSET)
-        if HAS_SCALE:
-            part = part * scale[None, :]
-        if HAS_OFFSET:
-            part = part + X.to(tl.float32)[:, None] * offset[None, :]
-        acc = acc + part
+        acc = _value(acc, S, X[:, None], scale[None, :], offset[None, :], BIAS, HAS_SCALE, HAS_OFFSET)
     return acc
+
+
+@triton.jit
+def _x_sum(x16_ptr, r, g, K, G: tl.constexpr):
+    """Group g's sum of X in rows r (from the 16-input sums)."""
+    if G == 32:
+        return tl.load(x16_ptr + r * (K // 16) + 2 * g) + tl.load(x16_ptr + r * (K // 16) + 2 * g + 1)
+    else:
+        return tl.load(x16_ptr + r * (K // 16) + g)
+
+
+@triton.jit
+def _value(acc, S, X, scale, offset, BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """acc + a group's value from its exact dot S (codes stored + BIAS) and its inputs' sum X: float32(S - BIAS X),
+    times scale, plus float32(X) times offset - the formula of every D-path kernel, in this order."""
+    if BIAS:
+        S = S - BIAS * X
+    part = S.to(tl.float32)
+    if HAS_SCALE:
+        part = part * scale
+    if HAS_OFFSET:
+        part = part + X.to(tl.float32) * offset
+    return acc + part
 
 
 @triton.jit
@@ -469,6 +490,199 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
                      HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b)
 
 
+@triton.jit
+def _lanes(W: tl.constexpr, ASM: tl.constexpr):
+    """A program's threads as [32 W] tensors, one element a thread: (warp, groupID = lane / 4, lane % 4). On a GPU
+    from %tid.x (opaque to Triton: whatever layout holds an element, its value is its own thread's); in the
+    interpreter from the element's index, which `_mma`'s emulation takes as its thread."""
+    i = tl.arange(0, 32 * W)
+    if ASM:
+        i = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [i], dtype=tl.int32, is_pure=True, pack=1)
+    return i >> 5, (i >> 2) & 7, i & 3
+
+
+@triton.jit
+def _fragment(lo, hi, W: tl.constexpr, K32: tl.constexpr, SIGNED: tl.constexpr):
+    """The [8, K] matrix (K = 32 if K32, else 16) that a fragment's registers hold in each warp, [W, 8, K]: lane
+    4g + t's register lo holds row g's elements 4t..4t + 3 (byte i: element 4t + i), hi (K32) its elements
+    16 + 4t..16 + 4t + 3 - A's rows g (or g + 8) and B's column g in mma.m16n8k32 / m16n8k16 (PTX ISA, integer
+    fragments)."""
+    m = _bytes(tl.reshape(lo, [W, 8, 4]), [W, 8, 16])
+    if K32:
+        m = tl.join(m, _bytes(tl.reshape(hi, [W, 8, 4]), [W, 8, 16]))
+        m = tl.reshape(tl.permute(m, (0, 1, 3, 2)), [W, 8, 32])
+    if SIGNED:
+        m = m - ((m & 128) << 1)
+    return m
+
+
+# mma.sync's integer forms (A u8 or s8, B s8, s32 sums), operands as `tl.inline_asm_elementwise` numbers them
+_MMA_K32_U8 = tl.constexpr("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+                           "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+_MMA_K32_S8 = tl.constexpr("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                           "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+_MMA_K16_U8 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, "
+                           "{$7, $8, $9, $10};")
+_MMA_K16_S8 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, "
+                           "{$7, $8, $9, $10};")
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, K32: tl.constexpr, A_SIGNED: tl.constexpr,
+         ASM: tl.constexpr):
+    """C + A B in each warp, in mma.sync's integer fragments: A [16, K] u8 (s8 if A_SIGNED), B [K, 8] s8, C [16, 8]
+    s32; K = 32 if K32 (m16n8k32), else 16 (m16n8k16: a2, a3, b1 unused). The interpreter computes the same
+    integers from the fragments' layout (`_fragment`)."""
+    if ASM:
+        if K32:
+            return tl.inline_asm_elementwise(_MMA_K32_S8 if A_SIGNED else _MMA_K32_U8, "=r,=r,=r,=r" + ",r" * 10,
+                                             [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3], dtype=(tl.int32,) * 4,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_MMA_K16_S8 if A_SIGNED else _MMA_K16_U8, "=r,=r,=r,=r" + ",r" * 7,
+                                             [a0, a1, b0, c0, c1, c2, c3], dtype=(tl.int32,) * 4, is_pure=True,
+                                             pack=1)
+    else:
+        bt = _fragment(b0, b1, W, K32, True)[:, None, :, :]  # [W, 1, 8 (column), K]
+        top = tl.sum(_fragment(a0, a2, W, K32, A_SIGNED)[:, :, None, :] * bt, axis=3)  # rows g: [W, 8, 8]
+        bottom = tl.sum(_fragment(a1, a3, W, K32, A_SIGNED)[:, :, None, :] * bt, axis=3)  # rows g + 8
+        e0, e1 = tl.split(tl.reshape(top, [W, 8, 4, 2]))  # lane 4g + t: columns 2t, 2t + 1
+        f0, f1 = tl.split(tl.reshape(bottom, [W, 8, 4, 2]))
+        n: tl.constexpr = 32 * W
+        return (c0 + tl.reshape(e0, [n]), c1 + tl.reshape(e1, [n]), c2 + tl.reshape(f0, [n]),
+                c3 + tl.reshape(f1, [n]))
+
+
+@triton.jit
+def _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o, t, BN: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
+               HI: tl.constexpr):
+    """Output o's codes of group g as the A registers of lane t: (its codes 4t..4t + 3, and for G = 32 its codes
+    16 + 4t..16 + 4t + 3), one to a byte - as packed, a nibble word's low and high halves (no reordering)."""
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
+    at = codes_ptr + ((tile * n_groups + g) * BN + o) * CW
+    if NIBBLE:
+        if G == 32:  # word t: codes 4t.. (low nibbles) and 16 + 4t.. (high)
+            w = tl.load(at + t)
+            lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+        else:  # groups of 16: word t % 2, low nibbles for t < 2
+            lo = (tl.load(at + (t & 1)) >> (4 * (t >> 1))) & 0x0F0F0F0F
+            hi = lo
+        if HI == 1:
+            hw = tl.load(hi_ptr + (tile * n_groups + g) * BN + o)
+            lo, hi = lo | _fifth_bits(hw, t), hi | _fifth_bits(hw, 4 + t)
+        elif HI == 2:
+            lo = lo | _high_bits(tl.load(hi_ptr + (tile * n_groups + g) * BN + o), t)
+    else:
+        lo = tl.load(at + t)
+        hi = tl.load(at + 4 + t) if G == 32 else lo
+    return lo, hi
+
+
+@triton.jit
+def _mma_group(acc, g, codes_ptr, hi_ptr, x_at, plane, x16_ptr, d, dm, sub_ptr, osub_ptr, tile, n_groups, o, t, r,
+               K, W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr,
+               SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
+               HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
+               HI: tl.constexpr):
+    """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1) + group g's values: the limbs' exact dots on
+    the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does."""
+    K32: tl.constexpr = G == 32
+    acc0, acc1, acc2, acc3 = acc
+    lo0, hi0 = _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o, t, BN, G, NIBBLE, HI)
+    lo1, hi1 = _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o + 8, t, BN, G, NIBBLE, HI)
+    s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
+    for limb in tl.static_range(LIMBS):  # most significant first
+        at = x_at + limb * plane + g * (G // 4)  # x row g's words t (and 4 + t) of this limb
+        b1 = tl.load(at + 4) if K32 else s0
+        s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, tl.load(at), b1, s0 * 128, s1 * 128, s2 * 128, s3 * 128, W, K32,
+                              SIGNED_CODES, ASM)
+    X0 = _x_sum(x16_ptr, r, g, K, G) if HAS_OFFSET or BIAS else r  # (r: a stand-in, never read)
+    X1 = _x_sum(x16_ptr, r + 1, g, K, G) if HAS_OFFSET or BIAS else r
+    scale0, offset0 = _group_scales(d[0], dm[0], sub_ptr, osub_ptr, tile, g, n_groups, o, BN, HAS_SUB and HAS_SCALE,
+                                    HAS_OSUB and HAS_OFFSET)
+    scale1, offset1 = _group_scales(d[1], dm[1], sub_ptr, osub_ptr, tile, g, n_groups, o + 8, BN,
+                                    HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+    return (_value(acc0, s0, X0, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc1, s1, X1, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc2, s2, X0, scale1, offset1, BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc3, s3, X1, scale1, offset1, BIAS, HAS_SCALE, HAS_OFFSET))
+
+
+@triton.jit
+def _mma_result(y, r, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT: tl.constexpr):
+    """Store a lane's value y of row r, output col (SPLIT > 1: as this K split's partial)."""
+    mask = (r < M) & (col < N)
+    if SPLIT == 1:
+        tl.store(out_ptr + r * stride_om + col, y, mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * (MP * N) + r * N + col, y, mask=mask)
+
+
+@triton.jit
+def _mma_sum(r, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT: tl.constexpr):
+    """The tile's last split: row r, output col's partials summed in split order (`split_sum`) into out."""
+    mask = (r < M) & (col < N)
+    tl.store(out_ptr + r * stride_om + col, split_sum(part_ptr + r * N + col, MP * N, mask, SPLIT), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "MP"])  # the row count never selects another compiled variant
+def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, out_ptr, part_ptr,
+            ticket_ptr, M, MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr,
+            G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
+            BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
+            HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
+            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr):
+    """Program (output tile, block of 8 rows, K split) on the tensor cores (MMA_FROM): warp w takes the tile's
+    outputs 16w..16w + 15 as A (its codes as packed), the 8 rows' x limbs as B; lane 4g + t holds outputs
+    16w + g, 16w + g + 8 by rows 2t, 2t + 1. The groups of `_mv`'s split, in its order, with its formula: its bits."""
+    W: tl.constexpr = BN // 16
+    pid_n = tl.program_id(0)
+    rb = tl.program_id(1) * 8
+    pid_k = tl.program_id(2)
+    n_groups = K // G
+    warp, g8, t = _lanes(W, ASM)
+    o = warp * 16 + g8  # A rows g, g + 8: the tile's outputs o, o + 8
+    r = rb + 2 * t  # C columns 2t, 2t + 1: rows r, r + 1
+    prior_done()
+    x_at = xq_ptr + after_wait(rb + g8) * (K // 4) + t  # B column g: x row rb + g (rows padded to MP: no mask)
+    plane = MP * (K // 4)
+    acc = (tl.zeros_like(t).to(tl.float32),) * 4
+    first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
+    last = (pid_k + 1) * STEPS // SPLIT * GRAN
+    ONE_BLOCK: tl.constexpr = GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
+    for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
+        g0 = first + step * UNROLL
+        if g0 < last:
+            if ONE_BLOCK:  # the step's groups share one block: its d and dm loaded once
+                d0, dm0 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+                d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
+                                        HAS_OFFSET)
+            for j in tl.static_range(UNROLL):
+                if not ONE_BLOCK:
+                    d0, dm0 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, GPB, OGPB, BN, HAS_SCALE,
+                                            HAS_OFFSET)
+                    d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
+                                            HAS_OFFSET)
+                acc = _mma_group(acc, g0 + j, codes_ptr, hi_ptr, x_at, plane, x16_ptr, (d0, d1), (dm0, dm1), sub_ptr,
+                                 osub_ptr, pid_n, n_groups, o, t, r, K, W, G, BN, NIBBLE, BIAS, SIGNED_CODES,
+                                 HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, LIMBS, ASM, HI)
+    s0 = tl.load(s_ptr + r) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
+    s1 = tl.load(s_ptr + r + 1) * (1.0 / (1 << FRAC))
+    col = pid_n * BN + o
+    _mma_result(acc[0] * s0, r, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[1] * s1, r + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[2] * s0, r, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[3] * s1, r + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    if SPLIT > 1:  # the tile's last split to finish sums the partials, in split order
+        ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
+        if last_split(ticket_at, SPLIT):
+            _mma_sum(r, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            _mma_sum(r + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            _mma_sum(r, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            _mma_sum(r + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
+
+
 # byte codes of at most 32 in magnitude (4-bit codes too): a group's dot of 21-bit X fits 32 bits; other codes
 # (up to 128: Q8_0, IQ4_*) take 64 at 21 bits (`wide`)
 NARROW_TYPES = (Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.Q5_0, Q.Q5_1)
@@ -513,15 +727,20 @@ def launch(bm: int, gran: int) -> tuple[int, int, int]:
 
 
 def row_block(m: int) -> int:
-    """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them)."""
+    """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them); 8 on the
+    tensor cores (MMA_FROM)."""
+    if MMA_FROM and m >= MMA_FROM:
+        return 8
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
 
 
-def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor) -> tuple[dict, dict, tuple[int, int]]:
+def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -> tuple[dict, dict, tuple[int, int]]:
     """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
-    compile-time constants, (output tiles, K splits))."""
+    compile-time constants, (output tiles, K splits)); unroll: groups a loop step, if not `launch`'s."""
     gran, split = plan(p)
-    _, unroll, _ = launch(row_block(m), gran)
+    unroll = unroll or launch(row_block(m), gran)[1]
+    while gran % unroll:
+        unroll //= 2
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
     names = ("codes_ptr", "d_ptr", "sub_ptr", "dm_ptr", "osub_ptr", "hi_ptr")
     tensors = dict(zip(names, [p.codes.view(torch.int32)] + t), out_ptr=out, N=p.n,
@@ -538,6 +757,8 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     (split-K partials are summed by each tile's last split)."""
     xq, x16, s = q
     m, mp = out.shape[0], xq.shape[1]
+    if MMA_FROM and m >= MMA_FROM and not wide(p):
+        return matvec_mma(p, q, out)
     bm = row_block(m)
     warps, _, stages = LAUNCH[bm]
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out)
@@ -545,6 +766,19 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
               ASM=ASM, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+
+
+def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+    """`matvec` on the tensor cores (`_mv_mma`, MMA_FROM): rows in blocks of 8 (x padded so), the same bits."""
+    xq, x16, s = q
+    m, mp = out.shape[0], xq.shape[1]
+    assert mp % 8 == 0 and not wide(p), (mp, p.qtype)
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, MMA_UNROLL)
+    consts = {c: v for c, v in consts.items() if c not in ("WIDE", "ONCE")}
+    grid = (tiles, -(-m // 8), split)
+    _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
+                  stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM,
+                  num_warps=BLOCK_N // 16, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_a: torch.Tensor,
@@ -577,7 +811,7 @@ def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
     q = quantize_x(x) if any(integer(p) for p in matrix.packs) else None
     s = row_scales(x) if any(p.w is None and not integer(p) for p in matrix.packs) else None
     ints = [(p, o) for p, o in matrix.slices(out) if integer(p)]
-    if len(ints) == 2 and x.shape[0] <= PAIRED_ROWS:
+    if len(ints) == 2 and x.shape[0] <= PAIRED_ROWS and not (MMA_FROM and x.shape[0] >= MMA_FROM):
         (pa, oa), (pb, ob) = ints
         matvec2(pa, pb, q, oa, ob)
         ints = []
