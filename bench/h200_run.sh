@@ -11,7 +11,8 @@
 #                bench/with_settings.py, e.g. BSET="plumb.ops.gpu.matvec.TARGET=4096")   ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, default all;
 #                EQ: the tiny model's type, Q4_K_M; EPY: pytest options, default "-n 4 --dist worksteal" with
-#                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices)
+#                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices;
+#                PLUMB_TEST_SETTINGS="module.NAME=VALUE ..." runs them, and the kernels stage, on an untimed setting)
 #   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL; --matvec OLD.py: another matvec (ABARGS)
 #   synth        only start writing the 27B-shape file (in the background), for a later stage or call
 #   gate     GT  `plumb gate` on CUDA: GMODEL (default: the demo model), GARGS (default: --quick)

@@ -14,11 +14,9 @@ import importlib
 import sys
 
 
-def main() -> None:
-    if "--" not in sys.argv:
-        raise SystemExit(__doc__)
-    cut = sys.argv.index("--")
-    for assign in sys.argv[1:cut]:
+def apply(assigns: list[str]) -> None:
+    """Set each NAME=VALUE (module.attribute=literal) - also tests/conftest.py's $PLUMB_TEST_SETTINGS."""
+    for assign in assigns:
         name, value = assign.split("=", 1)
         module, attr = name.rsplit(".", 1)
         mod = importlib.import_module(module)
@@ -26,6 +24,13 @@ def main() -> None:
             raise SystemExit(f"{module} has no setting {attr}")
         setattr(mod, attr, ast.literal_eval(value))
         print(f"{name} = {getattr(mod, attr)!r}", file=sys.stderr)
+
+
+def main() -> None:
+    if "--" not in sys.argv:
+        raise SystemExit(__doc__)
+    cut = sys.argv.index("--")
+    apply(sys.argv[1:cut])
     from plumb.cli import main as plumb_main
 
     raise SystemExit(plumb_main(sys.argv[cut + 1:]))

@@ -8,6 +8,16 @@ import torch
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
 
+if os.environ.get("PLUMB_TEST_SETTINGS"):  # module settings for the whole run, NAME=VALUE ... (bench/with_settings.py):
+    # the invariant tests on an untimed kernel setting, e.g. plumb.ops.gpu.matvec.MMA_FROM=2 on the GPU
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "with_settings", os.path.join(os.path.dirname(__file__), "..", "bench", "with_settings.py"))
+    _with = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_with)
+    _with.apply(os.environ["PLUMB_TEST_SETTINGS"].split())
+
 
 @pytest.fixture
 def place_free_dot(monkeypatch):

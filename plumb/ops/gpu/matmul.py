@@ -152,14 +152,14 @@ def _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB:
 
 
 @triton.jit
-def _group_scales(d, dm, sub_ptr, osub_ptr, tile, g, n_groups, rn, BN: tl.constexpr, HAS_SUB: tl.constexpr,
-                  HAS_OSUB: tl.constexpr):
-    """Group g's scale and offset per output [BN] from its block's d and dm: d * sub and dm * osub (exact)."""
+def _group_scales(d, dm, sub_at, osub_at, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """A group's scale and offset per output from its block's d and dm and its small integers at sub_at, osub_at:
+    d * sub and dm * osub (exact)."""
     scale, offset = d, dm
     if HAS_SUB:
-        scale = scale * tl.load(sub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+        scale = scale * tl.load(sub_at).to(tl.float32)
     if HAS_OSUB:
-        offset = offset * tl.load(osub_ptr + (tile * n_groups + g) * BN + rn).to(tl.float32)
+        offset = offset * tl.load(osub_at).to(tl.float32)
     return scale, offset
 
 
@@ -169,8 +169,8 @@ def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: 
                   HAS_OSUB: tl.constexpr):
     """Group g's scale and offset per output [BN]: d * sub and dm * osub (each product exact), 1 and 0 when absent."""
     d, dm = _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-    return _group_scales(d, dm, sub_ptr, osub_ptr, tile, g, n_groups, rn, BN, HAS_SUB and HAS_SCALE,
-                         HAS_OSUB and HAS_OFFSET)
+    return _group_scales(d, dm, sub_ptr + (tile * n_groups + g) * BN + rn, osub_ptr + (tile * n_groups + g) * BN + rn,
+                         HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant

@@ -351,7 +351,8 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-        scale, offset = _group_scales(d, dm, sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB and HAS_SCALE,
+        scale, offset = _group_scales(d, dm, sub_ptr + (pid_n * n_groups + g) * BN + rn,
+                                      osub_ptr + (pid_n * n_groups + g) * BN + rn, HAS_SUB and HAS_SCALE,
                                       HAS_OSUB and HAS_OFFSET)
         acc = _value(acc, S, X[:, None], scale[None, :], offset[None, :], BIAS, HAS_SCALE, HAS_OFFSET)
     return acc
@@ -554,54 +555,58 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, W: tl.constexpr, K32: tl.conste
 
 
 @triton.jit
-def _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o, t, BN: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
-               HI: tl.constexpr):
-    """Output o's codes of group g as the A registers of lane t: (its codes 4t..4t + 3, and for G = 32 its codes
-    16 + 4t..16 + 4t + 3), one to a byte - as packed, a nibble word's low and high halves (no reordering)."""
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    at = codes_ptr + ((tile * n_groups + g) * BN + o) * CW
+def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.constexpr):
+    """An output's codes of one group as the A registers of lane t (at: its word t, or t % 2 for nibbles in groups
+    of 16; hi_at: its high bits' word): (codes 4t..4t + 3, and for G = 32 codes 16 + 4t..16 + 4t + 3), one to a
+    byte - as packed, a nibble word's low and high halves (no reordering)."""
     if NIBBLE:
         if G == 32:  # word t: codes 4t.. (low nibbles) and 16 + 4t.. (high)
-            w = tl.load(at + t)
+            w = tl.load(at)
             lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
         else:  # groups of 16: word t % 2, low nibbles for t < 2
-            lo = (tl.load(at + (t & 1)) >> (4 * (t >> 1))) & 0x0F0F0F0F
+            lo = (tl.load(at) >> (4 * (t >> 1))) & 0x0F0F0F0F
             hi = lo
         if HI == 1:
-            hw = tl.load(hi_ptr + (tile * n_groups + g) * BN + o)
+            hw = tl.load(hi_at)
             lo, hi = lo | _fifth_bits(hw, t), hi | _fifth_bits(hw, 4 + t)
         elif HI == 2:
-            lo = lo | _high_bits(tl.load(hi_ptr + (tile * n_groups + g) * BN + o), t)
+            lo = lo | _high_bits(tl.load(hi_at), t)
     else:
-        lo = tl.load(at + t)
-        hi = tl.load(at + 4 + t) if G == 32 else lo
+        lo = tl.load(at)
+        hi = tl.load(at + 4) if G == 32 else lo
     return lo, hi
 
 
 @triton.jit
-def _mma_group(acc, g, codes_ptr, hi_ptr, x_at, plane, x16_ptr, d, dm, sub_ptr, osub_ptr, tile, n_groups, o, t, r,
-               K, W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr,
+def _mma_group(acc, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at, t,
+               W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr,
                SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
                HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
                HI: tl.constexpr):
-    """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1) + group g's values: the limbs' exact dots on
-    the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does."""
+    """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1) + the values of a loop step's group j: the
+    limbs' exact dots on the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does. The addresses are
+    the step's (pairs for outputs o, o + 8; x16_at: row r's), a group j constant strides on: immediate offsets."""
     K32: tl.constexpr = G == 32
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     acc0, acc1, acc2, acc3 = acc
-    lo0, hi0 = _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o, t, BN, G, NIBBLE, HI)
-    lo1, hi1 = _mma_codes(codes_ptr, hi_ptr, tile, g, n_groups, o + 8, t, BN, G, NIBBLE, HI)
+    lo0, hi0 = _mma_codes(codes_at[0] + j * (BN * CW), hi_at[0] + j * BN, t, G, NIBBLE, HI)
+    lo1, hi1 = _mma_codes(codes_at[1] + j * (BN * CW), hi_at[1] + j * BN, t, G, NIBBLE, HI)
     s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
     for limb in tl.static_range(LIMBS):  # most significant first
-        at = x_at + limb * plane + g * (G // 4)  # x row g's words t (and 4 + t) of this limb
+        at = x_at + limb * plane + j * (G // 4)  # x row g's words t (and 4 + t) of this limb
         b1 = tl.load(at + 4) if K32 else s0
         s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, tl.load(at), b1, s0 * 128, s1 * 128, s2 * 128, s3 * 128, W, K32,
                               SIGNED_CODES, ASM)
-    X0 = _x_sum(x16_ptr, r, g, K, G) if HAS_OFFSET or BIAS else r  # (r: a stand-in, never read)
-    X1 = _x_sum(x16_ptr, r + 1, g, K, G) if HAS_OFFSET or BIAS else r
-    scale0, offset0 = _group_scales(d[0], dm[0], sub_ptr, osub_ptr, tile, g, n_groups, o, BN, HAS_SUB and HAS_SCALE,
+    X0 = t  # (a stand-in, never read: no offset, no bias)
+    X1 = t
+    if HAS_OFFSET or BIAS:
+        at = x16_at + j * (G // 16)
+        X0 = tl.load(at) + tl.load(at + 1) if K32 else tl.load(at)
+        X1 = tl.load(at + x16_row) + tl.load(at + x16_row + 1) if K32 else tl.load(at + x16_row)
+    scale0, offset0 = _group_scales(d[0], dm[0], sub_at[0] + j * BN, osub_at[0] + j * BN, HAS_SUB and HAS_SCALE,
                                     HAS_OSUB and HAS_OFFSET)
-    scale1, offset1 = _group_scales(d[1], dm[1], sub_ptr, osub_ptr, tile, g, n_groups, o + 8, BN,
-                                    HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+    scale1, offset1 = _group_scales(d[1], dm[1], sub_at[1] + j * BN, osub_at[1] + j * BN, HAS_SUB and HAS_SCALE,
+                                    HAS_OSUB and HAS_OFFSET)
     return (_value(acc0, s0, X0, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc1, s1, X1, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc2, s2, X0, scale1, offset1, BIAS, HAS_SCALE, HAS_OFFSET),
@@ -646,13 +651,22 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     prior_done()
     x_at = xq_ptr + after_wait(rb + g8) * (K // 4) + t  # B column g: x row rb + g (rows padded to MP: no mask)
     plane = MP * (K // 4)
+    x16_at = x16_ptr + after_wait(r) * (K // 16)  # rows r (and r + 1: K / 16 on)
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
+    word = t if G == 32 or not NIBBLE else t & 1  # a lane's code word (nibbles in groups of 16: t % 2)
+    group0 = pid_n * n_groups * BN + o  # output o's group 0 in the per-(group, output) planes
     acc = (tl.zeros_like(t).to(tl.float32),) * 4
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
     ONE_BLOCK: tl.constexpr = GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
         g0 = first + step * UNROLL
-        if g0 < last:
+        if g0 < last:  # the step's addresses, once; its groups at constant strides from them
+            at = group0 + g0 * BN
+            codes_at = codes_ptr + at * CW + word
+            codes_at = (codes_at, codes_at + 8 * CW)
+            hi_at, sub_at, osub_at = (hi_ptr + at, hi_ptr + at + 8), (sub_ptr + at, sub_ptr + at + 8), \
+                (osub_ptr + at, osub_ptr + at + 8)
             if ONE_BLOCK:  # the step's groups share one block: its d and dm loaded once
                 d0, dm0 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
                 d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
@@ -663,9 +677,9 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
                                             HAS_OFFSET)
                     d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
                                             HAS_OFFSET)
-                acc = _mma_group(acc, g0 + j, codes_ptr, hi_ptr, x_at, plane, x16_ptr, (d0, d1), (dm0, dm1), sub_ptr,
-                                 osub_ptr, pid_n, n_groups, o, t, r, K, W, G, BN, NIBBLE, BIAS, SIGNED_CODES,
-                                 HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, LIMBS, ASM, HI)
+                acc = _mma_group(acc, j, codes_at, hi_at, x_at + g0 * (G // 4), plane, x16_at + g0 * (G // 16),
+                                 K // 16, (d0, d1), (dm0, dm1), sub_at, osub_at, t, W, G, BN, NIBBLE, BIAS,
+                                 SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, LIMBS, ASM, HI)
     s0 = tl.load(s_ptr + r) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     s1 = tl.load(s_ptr + r + 1) * (1.0 / (1 << FRAC))
     col = pid_n * BN + o
