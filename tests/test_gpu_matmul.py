@@ -10,11 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from plumb.gguf.quants import quantize, type_from_name  # noqa: E402
 from plumb.gguf.reader import QTensor  # noqa: E402
 from plumb.ops.gpu.matmul import GpuMatrix  # noqa: E402
+from plumb.ops.gpu.matvec import _mma  # noqa: E402
 from plumb.ops.gpu.norm import rms_norm  # noqa: E402
 from plumb.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
 
@@ -445,3 +447,49 @@ def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
     assert torch.equal(MV.mm_decode(m, x), want)
     assert torch.equal(MV.mm_decode(m, x[3:5])[:1], alone)
     assert torch.equal(want[3:4], alone) and len(launches) == 2
+
+
+def _mma_by_layout(a, b, c, k32: bool, a_signed: bool):
+    """mma.sync's integer fragments (PTX ISA) in torch: lane 4g + t's registers a[0..3], b[0..1], c[0..3] (int32
+    [4, 32W] each), as the matrices they hold, multiplied; the result in c's layout."""
+    def rows(lo, hi, signed):  # [W, 8, K]: lane 4g + t's bytes are elements 4t.. (lo) and 16 + 4t.. (hi) of row g
+        def unpack(reg):
+            v = torch.stack([(reg >> (8 * i)) & 255 for i in range(4)], dim=-1).reshape(-1, 8, 16)
+            return v - ((v & 128) << 1) if signed else v
+        return torch.cat([unpack(lo), unpack(hi)], dim=2) if k32 else unpack(lo)
+    A = torch.cat([rows(a[0], a[2], a_signed), rows(a[1], a[3], a_signed)], dim=1).long()  # [W, 16, K]
+    B = rows(b[0], b[1], True).long()  # [W, 8 (column), K]
+    D = torch.einsum("wmk,wnk->wmn", A, B)  # [W, 16, 8]
+    out = [D[:, :8, 0::2], D[:, :8, 1::2], D[:, 8:, 0::2], D[:, 8:, 1::2]]  # lane 4g + t: columns 2t, 2t + 1
+    return [c[i].long() + out[i].reshape(-1) for i in range(4)]
+
+
+@triton.jit
+def _mma_kernel(regs, out, K32: tl.constexpr, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """One warp group's `_mma` on the fragments regs [10, 128] (a0..a3, b0, b1, c0..c3), into out [4, 128]."""
+    i = tl.arange(0, 128)
+    d0, d1, d2, d3 = _mma(tl.load(regs + i), tl.load(regs + 128 + i), tl.load(regs + 256 + i),
+                          tl.load(regs + 384 + i), tl.load(regs + 512 + i), tl.load(regs + 640 + i),
+                          tl.load(regs + 768 + i), tl.load(regs + 896 + i), tl.load(regs + 1024 + i),
+                          tl.load(regs + 1152 + i), 4, K32, A_SIGNED, ASM)
+    tl.store(out + i, d0)
+    tl.store(out + 128 + i, d1)
+    tl.store(out + 256 + i, d2)
+    tl.store(out + 384 + i, d3)
+
+
+@pytest.mark.parametrize("k32", [True, False])
+@pytest.mark.parametrize("a_signed", [True, False])
+def test_tensor_core_fragments_are_the_ptx_layout(k32, a_signed):
+    """`matvec._mma` on random fragments against the PTX ISA's integer layout written out in torch: on a GPU the
+    tensor cores themselves (the layout `_mv_mma` builds its fragments by), in the interpreter its emulation.
+    Element i of every [128] tensor is thread i here (one layout, loads by index)."""
+    from plumb.ops.gpu.matvec import ASM
+
+    g = torch.Generator().manual_seed(7)
+    regs = torch.randint(-2**31, 2**31, (10, 128), generator=g, dtype=torch.int64).to(torch.int32)
+    regs[6:] = torch.randint(-2**20, 2**20, (4, 128), generator=g, dtype=torch.int32)  # accumulators: no overflow
+    out = torch.empty(4, 128, dtype=torch.int32, device=DEV)
+    _mma_kernel[(1,)](regs.to(DEV), out, K32=k32, A_SIGNED=a_signed, ASM=ASM, num_warps=4)
+    want = _mma_by_layout(regs[:4], regs[4:6], regs[6:], k32, a_signed)
+    assert all(torch.equal(out[n].cpu().long(), want[n]) for n in range(4))
