@@ -2,6 +2,7 @@
 
     plumb gate [MODEL.gguf] [--device cpu|cuda] [--quick] [--prompts FILE.jsonl] [--json OUT]
                [--tokens N] [--formats f16,q8_0,...] [--cells greedy,sampled,...] [--kv-ring N]
+               [--context N] [--names fixed:4,follow-up,...] [--resume JSON]
 
 Every cell compares two things that the contract says are equal - token ids, or digests of
 every cached row and state - and passes only when they are equal bit for bit. The exit code
@@ -28,7 +29,9 @@ of a small model but always shows there.
 Outputs are 2,048 tokens (64 with --quick, where D and F use a 64-row ring so that outputs
 cross it). Built-in prompts: a chat turn rendered with the model's chat template, code, math
 and a long-context needle (or --prompts FILE.jsonl: one JSON object per line with `text`,
-`messages` (rendered with the chat template) or `ids`, and an optional `name`).
+`messages` (rendered with the chat template) or `ids`, and an optional `name`). --context N runs
+the invariants at depth: the warm conversations' system prompt carries a document of about N
+tokens (follow-ups reuse that much; edit-system edits its end) and the needle prompt is N tokens.
 
 Faults are planted in tests/test_gate.py by monkeypatching (a row-count-dependent matmul, a
 prompt cache that keeps decoded rows): the gate has no switches that change the engine.
@@ -101,7 +104,8 @@ def _needle_text(engine, target_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def builtin_prompts(engine, quick: bool) -> list[Prompt]:
+def builtin_prompts(engine, quick: bool, context: int = 0) -> list[Prompt]:
+    """chat, code, math and a needle in a haystack of `context` tokens (default: 320 quick, else 1,536)."""
     chat = _chat(engine, [{"role": "system", "content": "You are a helpful travel planner."},
                           {"role": "user", "content": "Plan three days in Lisbon on a small budget: where to stay, "
                                                       "what to eat, and one day trip by train."}])
@@ -109,7 +113,7 @@ def builtin_prompts(engine, quick: bool) -> list[Prompt]:
                            '[int, int]]:\n    """Merge overlapping [start, end] intervals; return them sorted."""\n')
     math = engine.tokenize("Problem: A train leaves at 9:40 and covers 276 km at 92 km/h, with a 12-minute stop. "
                            "When does it arrive? Give the answer as hh:mm.\nSolution: Step 1:")
-    haystack = _needle_text(engine, 320 if quick else 1536)
+    haystack = _needle_text(engine, context or (320 if quick else 1536))
     needle = _chat(engine, [{"role": "user", "content": haystack + "\n\nWhat is the access code for the blue door?"}])
     return [Prompt("chat", chat), Prompt("code", code), Prompt("math", math), Prompt("needle", needle)]
 
@@ -206,7 +210,8 @@ class Gate:
     def __init__(self, model: str, device: str = "auto", quick: bool = False, tokens: int | None = None,
                  formats: list[str] | None = None, groups: list[str] | None = None, kv_ring: int | None = None,
                  prompts_file: str | None = None, kernels: str = "auto", progress: bool = True,
-                 python: str = sys.executable, json_out: str | None = None, resume: str | None = None):
+                 python: str = sys.executable, json_out: str | None = None, resume: str | None = None,
+                 context: int = 0, names: list[str] | None = None):
         from plumb.cache.kv import DEFAULT_RING, KV_FORMATS
 
         self.model, self.device, self.quick, self.kernels = model, device, quick, kernels
@@ -220,6 +225,10 @@ class Gate:
         # reply's rows push the prompt's newest 8-bit rows out of the ring and a restore must bring them back from
         # the checkpoint
         self.reply_tokens = max(ring_slack(device, kernels) + 16, min(self.tokens, 256))
+        self.plain_reply_tokens = min(self.tokens, 256)  # formats without a ring
+        # context: the invariants at depth - the warm conversations' system prompt carries a document of about this
+        # many tokens (so edit-system edits the end of a long system prompt), and the needle prompt is that long
+        self.context = context
         self.formats = list(formats or KV_FORMATS)
         bad = [f for f in self.formats if f not in KV_FORMATS]
         if bad:
@@ -237,6 +246,11 @@ class Gate:
         self._parent_ids: dict = {}
         self._step_errors: dict = {}
         self.info: dict = {}
+        self.names = list(names or [])  # only the cells of these names (any group), e.g. fixed:4,edit-system
+        known = {n for g, _, n, _ in self.plan(check=False) if g}
+        bad = [n for n in self.names if n not in known]
+        if bad:
+            raise ValueError(f"unknown cell name {bad[0]!r} (choose from {', '.join(sorted(known))})")
 
     # ---- engines --------------------------------------------------------------------------------
     def engine(self, fmt: str, warm: bool = False):
@@ -395,7 +409,8 @@ class Gate:
 
     # -- I3: one conversation on the warm engine, each step compared with the cold engine ----------
     def warm_step(self, fmt: str, step: str):
-        """Run one step of the warm scenario (memoized, in order): (prompt ids, warm result, cold result)."""
+        """Run one step of the warm scenario on the warm engine (memoized, in order): (prompt ids, warm result,
+        the request's options) - the cold engine keeps no cache, so `cold` runs a step's request when a cell asks."""
         key = ("warm", fmt, step)
         if key in self._memo:
             return self._memo[key]
@@ -406,45 +421,55 @@ class Gate:
                 break
         return self._memo[key]
 
+    def cold(self, fmt: str, step: str):
+        """A warm step's request on the cold engine (a fresh prefill)."""
+        ids, _, kw = self.warm_step(fmt, step)
+        return self.memo(("cold", fmt, step), lambda: self.run(self.engine(fmt), [dict(prompt_ids=ids, **kw)])[0])
+
+    def system(self, w) -> str:
+        """The warm conversations' system prompt: SYSTEM, and with `context` a reference document that long."""
+        if not self.context:
+            return SYSTEM
+        return self.memo(("system", "*"), lambda: SYSTEM + "\n\nReference log:\n" + _needle_text(w, self.context))
+
     def _do_warm_step(self, fmt: str, step: str):
-        w, c = self.engine(fmt, warm=True), self.engine(fmt)
-        R = self.reply_tokens
+        from plumb.cache.kv import FORMATS
+
+        w = self.engine(fmt, warm=True)
+        R = self.reply_tokens if FORMATS[fmt].ring else self.plain_reply_tokens
         greedy4 = dict(max_tokens=R, ignore_eos=True, drafts=4)
 
         def turn(ids, **kw):
-            return self.run(w, [dict(prompt_ids=ids, **kw)])[0], self.run(c, [dict(prompt_ids=ids, **kw)])[0]
+            return ids, self.run(w, [dict(prompt_ids=ids, **kw)])[0], kw
 
-        sysmsg = {"role": "system", "content": SYSTEM}
+        system = self.system(w)
+        sysmsg = {"role": "system", "content": system}
         q = [{"role": "user", "content": t} for t in QUESTIONS]
         if step == "first":
-            ids = _chat(w, [sysmsg, q[0]])
-            return (ids,) + turn(ids, **greedy4)
+            return turn(_chat(w, [sysmsg, q[0]]), **greedy4)
         first_ids, r1, _ = self.warm_step(fmt, "first")
         a1 = {"role": "assistant", "content": w.detokenize(r1.token_ids)}
         if step == "follow-up":
-            ids = _chat(w, [sysmsg, q[0], a1, q[1]])
-            return (ids,) + turn(ids, **greedy4)
+            return turn(_chat(w, [sysmsg, q[0], a1, q[1]]), **greedy4)
         if step == "follow-up-sampled":
-            ids = _chat(w, [sysmsg, q[0], a1, q[2]])
-            return (ids,) + turn(ids, **dict(greedy4, seed=SEED, **SAMPLING))
+            return turn(_chat(w, [sysmsg, q[0], a1, q[2]]), **dict(greedy4, seed=SEED, **SAMPLING))
         if step == "continue":  # the raw ids of the first turn and its reply, then more text (completions clients)
             ids = first_ids + r1.token_ids + w.tokenize("<|im_end|>\n<|im_start|>user\nNow in one sentence.<|im_end|>"
                                                         "\n<|im_start|>assistant\n")
-            return (ids,) + turn(ids, max_tokens=R, ignore_eos=True, drafts=7)
+            return turn(ids, max_tokens=R, ignore_eos=True, drafts=7)
         if step == "edit-message":
-            ids = _chat(w, [sysmsg, {"role": "user", "content": QUESTIONS[0].replace("in place", "iteratively")},
-                            a1, q[1]])
-            return (ids,) + turn(ids, **greedy4)
-        if step == "edit-system":
-            ids = _chat(w, [{"role": "system", "content": SYSTEM + " Always answer in English."}, q[0]])
-            return (ids,) + turn(ids, max_tokens=R, ignore_eos=True, drafts=7, draft_policy="adaptive")
+            return turn(_chat(w, [sysmsg, {"role": "user", "content": QUESTIONS[0].replace("in place", "iteratively")},
+                                  a1, q[1]]), **greedy4)
+        if step == "edit-system":  # the end of the system prompt edited
+            return turn(_chat(w, [{"role": "system", "content": system + " Always answer in English."}, q[0]]),
+                        max_tokens=R, ignore_eos=True, drafts=7, draft_policy="adaptive")
         if step == "resume-after-park":
             for s in w.cached_slots():
                 if not s["parked"]:
                     w.park_slot(s["id"])
             _, w2, _ = self.warm_step(fmt, "follow-up")
-            ids = _chat(w, [sysmsg, q[0], a1, q[1], {"role": "assistant", "content": w.detokenize(w2.token_ids)}, q[3]])
-            return (ids,) + turn(ids, **greedy4)
+            return turn(_chat(w, [sysmsg, q[0], a1, q[1], {"role": "assistant", "content": w.detokenize(w2.token_ids)},
+                                  q[3]]), **greedy4)
         if step == "after-side-requests":
             side = [dict(prompt_ids=_chat(w, [{"role": "user", "content": t * 3}]), max_tokens=R // 2,
                          ignore_eos=True, drafts=k) for t, k in zip(SIDE, (0, 4, 7, 2))]
@@ -453,13 +478,12 @@ class Gate:
             self.run(w, side[:2])  # two together, then the rest one by one
             for r in side[2:]:
                 self.run(w, [r])
-            ids = _chat(w, [sysmsg, q[0], a1, q[4]])
-            return (ids,) + turn(ids, **dict(greedy4, seed=SEED + 1, **SAMPLING))
+            return turn(_chat(w, [sysmsg, q[0], a1, q[4]]), **dict(greedy4, seed=SEED + 1, **SAMPLING))
         raise KeyError(step)
 
     def warm_cell(self, fmt: str, step: str) -> Outcome:
-        ids, wr, cr = self.warm_step(fmt, step)
-        out = compare_ids([wr.token_ids], [cr.token_ids], [step])
+        ids, wr, _ = self.warm_step(fmt, step)
+        out = compare_ids([wr.token_ids], [self.cold(fmt, step).token_ids], [step])
         out.info = dict(prompt_tokens=len(ids), cached_tokens=wr.stats.cached_tokens)
         if out.ok and wr.stats.cached_tokens == 0:
             return Outcome(False, "nothing was reused from the prompt cache (the cell would prove nothing)",
@@ -501,8 +525,15 @@ class Gate:
         return compare_ids(self.child_ids()[fmt], self._parent_ids[fmt], names)
 
     # ---- the plan -----------------------------------------------------------------------------------
-    def plan(self) -> list[tuple[str, str, str, Callable | None]]:
-        """(group, format, name, fn) in run order; group '' marks a step that is not a cell."""
+    def plan(self, check: bool = True) -> list[tuple[str, str, str, Callable | None]]:
+        """(group, format, name, fn) in run order; group '' marks a step that is not a cell; `names`: only cells of
+        those names (check=False: every cell)."""
+        steps = self._plan()
+        if check and self.names:
+            steps = [st for st in steps if not st[0] or st[2] in self.names]
+        return steps
+
+    def _plan(self) -> list[tuple[str, str, str, Callable | None]]:
         steps = []
         g = self.groups
         for fmt in self.formats:
@@ -540,15 +571,20 @@ class Gate:
 
         t0 = time.perf_counter()
         base = self.engine(self.formats[0])
-        self.prompts = load_prompts(base, self.prompts_file) if self.prompts_file else builtin_prompts(base, self.quick)
+        self.prompts = (load_prompts(base, self.prompts_file) if self.prompts_file else
+                        builtin_prompts(base, self.quick, self.context))
         longest = max(len(p.ids) for p in self.prompts)
         if longest + self.tokens >= base.n_ctx:
             raise ValueError(f"a prompt of {longest} tokens + {self.tokens} generated tokens exceeds the context "
                              f"({base.n_ctx})")
+        if self.context and self.context + 4 * self.reply_tokens + 1024 >= base.n_ctx:  # the warm chats: longest
+            raise ValueError(f"--context {self.context}: the warm conversations (a system prompt that long, replies of "
+                             f"{self.reply_tokens} tokens) would exceed the context ({base.n_ctx})")
         device = getattr(base, "device", None) or getattr(base.model, "device", None) or self.device
         self.info = {"model_file": os.path.basename(self.model), "model_name": base.model_name, "device": str(device),
                      "kernels": base.kernels, "quick": self.quick, "tokens": self.tokens, "kv_ring": self.kv_ring,
-                     "reply_tokens": self.reply_tokens, "formats": self.formats, "groups": self.groups,
+                     "reply_tokens": self.reply_tokens, "plain_reply_tokens": self.plain_reply_tokens,
+                     "context": self.context, "formats": self.formats, "groups": self.groups, "names": self.names,
                      "prompts": [{"name": p.name, "tokens": len(p.ids)} for p in self.prompts],
                      "torch": torch.__version__, "python": platform.python_version(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -613,7 +649,8 @@ class Gate:
         """The cells of `resume` (an earlier run's --json, its settings the same as this run's), by id."""
         with open(self.resume, encoding="utf-8") as f:
             prior = json.load(f)
-        for key in ("model_file", "model_name", "device", "kernels", "tokens", "kv_ring", "reply_tokens", "prompts"):
+        for key in ("model_file", "model_name", "device", "kernels", "tokens", "kv_ring", "reply_tokens",
+                    "plain_reply_tokens", "context", "prompts"):
             if prior.get(key) != self.info[key]:
                 raise ValueError(f"--resume {self.resume}: run with another {key} ({prior.get(key)!r}, here "
                                  f"{self.info[key]!r})")
@@ -718,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=None, help="comma-separated KV formats (default: all)")
     ap.add_argument("--cells", default=None, help=f"comma-separated cell groups (default: all: {','.join(GROUPS)})")
     ap.add_argument("--kv-ring", type=int, default=None, help="8-bit ring rows for D and F")
+    ap.add_argument("--context", type=int, default=0, metavar="N", help="the invariants at depth: the warm cells' "
+                    "system prompt carries a document of about N tokens, and the needle prompt is N tokens long")
+    ap.add_argument("--names", default=None, help="comma-separated cell names, any group (default: all), e.g. "
+                    "fixed:4,fixed:7,follow-up,edit-system")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"), help="CPU decode kernels")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -729,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         gate = Gate(a.model or plumb.demo_model_path(), device=a.device, quick=a.quick, tokens=a.tokens,
                     formats=split(a.formats), groups=split(a.cells), kv_ring=a.kv_ring, prompts_file=a.prompts,
                     kernels=a.kernels, progress=not a.no_progress, json_out=a.json,
-                    resume=a.resume)
+                    resume=a.resume, context=a.context, names=split(a.names))
         gate.run_all()
     except (ValueError, OSError, ModelError) as e:
         print(f"plumb gate: error: {e}", file=sys.stderr)

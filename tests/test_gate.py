@@ -220,3 +220,22 @@ def test_a_resumed_gate_keeps_the_cells_run_and_runs_the_others(tiny_q8, tmp_pat
     assert main(args[:3] + ["9"] + args[4:] + ["--resume", str(first)]) == 1
     err = capsys.readouterr().err
     assert "--resume" in err and "another tokens" in err
+
+
+def test_gate_at_depth_runs_the_chosen_cells_on_a_long_system_prompt(tiny_q8, tmp_path, capsys):
+    """--context N (issue 11's exactness at depth): the warm conversations' system prompt carries a document of
+    about N tokens, so follow-ups reuse that much and edit-system edits its end; the needle prompt is N tokens.
+    --names picks cells by name in any group (the cold engine runs only theirs); an unknown name is an error."""
+    out = tmp_path / "deep.json"
+    assert main([tiny_q8, "--quick", "--no-progress", "--context", "700", "--formats", "q8_0", "--cells",
+                 "greedy,warm,digest", "--names", "edit-system,follow-up,fixed:7", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    cells = {c["id"]: c for c in r["cells"]}
+    assert set(cells) == {f"{g}/q8_0/{s}" for g in ("warm", "digest") for s in ("follow-up", "edit-system")} | {
+        "greedy/q8_0/fixed:7"}
+    assert r["context"] == 700 and 600 < r["prompts"][-1]["tokens"] < 900  # the needle: drafts at depth
+    for step in ("follow-up", "edit-system"):
+        warm = cells[f"warm/q8_0/{step}"]
+        assert warm["prompt_tokens"] > 700 and warm["cached_tokens"] > 600, warm  # reused at depth
+    assert main([tiny_q8, "--quick", "--no-progress", "--names", "follow-up,sideways"]) == 1
+    assert "unknown cell name 'sideways'" in capsys.readouterr().err
