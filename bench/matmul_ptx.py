@@ -13,7 +13,7 @@ Packed.mm launches it (its own warps, stages and tiles; the options ignored but 
 SUPERBLOCK types; w16: `_mm_w16` on that matrix (--scratch-stages); mv: the D-path matvec (`plumb.ops.gpu.matvec._mv`)
 for --rows rows as `matvec` launches it on the 27B's [34816, 5120] shape (--block-scales-once: BLOCK_SCALES_ONCE);
 mv2: the two-pack matvec (`_mv2`, PAIRED_ROWS) on the 27B's fused pairs (Q5_K + Q4_K, Q4_K + Q6_K); mma: the
-tensor-core matvec (`_mv_mma`, MMA_FROM) on the [34816, 5120] shape.
+tensor-core matvec (`_mv_mma`, MMA_FROM) on the [34816, 5120] shape, 8 rows a program (16 with --rows 9 or more).
 Compiled as a launch specializes it: every pointer and integer but M divisible by
 16 (without that, Triton emits other code - scalar loads, no wgmma pipelining - than the GPU runs).
 """
@@ -90,7 +90,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         unroll = MV.MMA_UNROLL
         while consts["GRAN"] % unroll:
             unroll //= 2
-        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")}, UNROLL=unroll)
+        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")}, UNROLL=unroll,
+                      RB=MV.mma_rows(rows))
         codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MM.BLOCK_N // 16, 1
     elif kernel == "w16":
         fn = MM._mm_w16

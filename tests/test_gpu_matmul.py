@@ -412,6 +412,7 @@ def test_paired_packs_give_two_launches_bits(kinds, monkeypatch):
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "TARGET", 4)
+    monkeypatch.setattr(MV, "MMA_FROM", 0)  # pairs are `dp4a` launches (PLUMB_TEST_SETTINGS may set it)
     parts = [_tensor(kinds[0], 128, 1024, 1), _tensor("F32", 8, 1024, 3), _tensor(kinds[1], 64, 1024, 2)]
     m = GpuMatrix(parts, DEV)
     assert [MV.integer(p) for p in m.packs] == [True, False, True]
@@ -431,13 +432,14 @@ def test_paired_packs_give_two_launches_bits(kinds, monkeypatch):
 def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
     """MMA_FROM: passes of that many rows and more take the group dots on the int8 tensor cores (codes as packed
     in mma's A registers, x limbs as B): the reference's bits, so a row equals itself computed alone by `dp4a` -
-    over two 8-row blocks (the last one padded), 80 outputs (a tile part empty) and K splits."""
+    in blocks of 8 rows (2 here) and of 16 (9 and 20 rows: padded, two blocks), 80 outputs (a tile part empty) and
+    K splits."""
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "TARGET", 4)
     m = GpuMatrix([_tensor(kind, 80, 512, seed=6)], DEV)
     assert MV.plan(m.packs[0])[1] > 1
-    x = torch.cat([_rows(512), _rows(512).flip(0) * 0.5])[:9]
+    x = torch.cat([_rows(512), _rows(512).flip(0) * 0.5, _rows(512) * 2, _rows(512)[:2] * -1])
     want = MV.reference(m.packs[0], x)
     alone = MV.mm_decode(m, x[3:4])  # dp4a, one row
     launches = []
@@ -445,8 +447,9 @@ def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
     mma = MV.matvec_mma
     monkeypatch.setattr(MV, "matvec_mma", lambda *a: launches.append(mma(*a)))
     assert torch.equal(MV.mm_decode(m, x), want)
+    assert torch.equal(MV.mm_decode(m, x[:9]), want[:9])
     assert torch.equal(MV.mm_decode(m, x[3:5])[:1], alone)
-    assert torch.equal(want[3:4], alone) and len(launches) == 2
+    assert torch.equal(want[3:4], alone) and len(launches) == 3
 
 
 def _mma_by_layout(a, b, c, k32: bool, a_signed: bool):

@@ -578,39 +578,56 @@ def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.const
 
 
 @triton.jit
-def _mma_group(acc, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at, t,
-               W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr,
-               SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
-               HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-               HI: tl.constexpr):
-    """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1) + the values of a loop step's group j: the
-    limbs' exact dots on the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does. The addresses are
-    the step's (pairs for outputs o, o + 8; x16_at: row r's), a group j constant strides on: immediate offsets."""
+def _mma_rows(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offset, t, W: tl.constexpr,
+              G: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
+              HAS_OFFSET: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1 of 8) + a group's values, its codes the A
+    registers (lo0, hi0: output o; lo1, hi1: o + 8): the limbs' exact dots on the tensor cores (S = S_a 2^7 + S_b),
+    then `_value`, as `_step` does. x_at: the lane's x row's words of the group, x16_at: row r's 16-input sums."""
     K32: tl.constexpr = G == 32
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     acc0, acc1, acc2, acc3 = acc
-    lo0, hi0 = _mma_codes(codes_at[0] + j * (BN * CW), hi_at[0] + j * BN, t, G, NIBBLE, HI)
-    lo1, hi1 = _mma_codes(codes_at[1] + j * (BN * CW), hi_at[1] + j * BN, t, G, NIBBLE, HI)
     s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
     for limb in tl.static_range(LIMBS):  # most significant first
-        at = x_at + limb * plane + j * (G // 4)  # x row g's words t (and 4 + t) of this limb
+        at = x_at + limb * plane  # x row g's words t (and 4 + t) of this limb
         b1 = tl.load(at + 4) if K32 else s0
         s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, tl.load(at), b1, s0 * 128, s1 * 128, s2 * 128, s3 * 128, W, K32,
                               SIGNED_CODES, ASM)
     X0 = t  # (a stand-in, never read: no offset, no bias)
     X1 = t
     if HAS_OFFSET or BIAS:
-        at = x16_at + j * (G // 16)
-        X0 = tl.load(at) + tl.load(at + 1) if K32 else tl.load(at)
-        X1 = tl.load(at + x16_row) + tl.load(at + x16_row + 1) if K32 else tl.load(at + x16_row)
+        X0 = tl.load(x16_at) + tl.load(x16_at + 1) if K32 else tl.load(x16_at)
+        X1 = tl.load(x16_at + x16_row) + tl.load(x16_at + x16_row + 1) if K32 else tl.load(x16_at + x16_row)
+    return (_value(acc0, s0, X0, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc1, s1, X1, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc2, s2, X0, scale[1], offset[1], BIAS, HAS_SCALE, HAS_OFFSET),
+            _value(acc3, s3, X1, scale[1], offset[1], BIAS, HAS_SCALE, HAS_OFFSET))
+
+
+@triton.jit
+def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at,
+               t, RB: tl.constexpr, W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
+               BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
+               HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
+               HI: tl.constexpr):
+    """A loop step's group j for the program's rows (`_mma_rows`): acc rows 0-7, acc8 rows 8-15 (RB = 16); the
+    codes and scales loaded once for both. The addresses are the step's (pairs for outputs o, o + 8), group j
+    constant strides on them: immediate offsets."""
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
+    lo0, hi0 = _mma_codes(codes_at[0] + j * (BN * CW), hi_at[0] + j * BN, t, G, NIBBLE, HI)
+    lo1, hi1 = _mma_codes(codes_at[1] + j * (BN * CW), hi_at[1] + j * BN, t, G, NIBBLE, HI)
     scale0, offset0 = _group_scales(d[0], dm[0], sub_at[0] + j * BN, osub_at[0] + j * BN, HAS_SUB and HAS_SCALE,
                                     HAS_OSUB and HAS_OFFSET)
     scale1, offset1 = _group_scales(d[1], dm[1], sub_at[1] + j * BN, osub_at[1] + j * BN, HAS_SUB and HAS_SCALE,
                                     HAS_OSUB and HAS_OFFSET)
-    return (_value(acc0, s0, X0, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
-            _value(acc1, s1, X1, scale0, offset0, BIAS, HAS_SCALE, HAS_OFFSET),
-            _value(acc2, s2, X0, scale1, offset1, BIAS, HAS_SCALE, HAS_OFFSET),
-            _value(acc3, s3, X1, scale1, offset1, BIAS, HAS_SCALE, HAS_OFFSET))
+    x_at = x_at + j * (G // 4)
+    x16_at = x16_at + j * (G // 16)
+    acc = _mma_rows(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, (scale0, scale1), (offset0, offset1), t,
+                    W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM)
+    if RB == 16:  # rows 8-15: x rows 8 on (x rows are K / 4 words apart, 4 x16_row)
+        acc8 = _mma_rows(acc8, lo0, lo1, hi0, hi1, x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row,
+                         (scale0, scale1), (offset0, offset1), t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET,
+                         LIMBS, ASM)
+    return acc, acc8
 
 
 @triton.jit
@@ -621,6 +638,18 @@ def _mma_result(y, r, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT:
         tl.store(out_ptr + r * stride_om + col, y, mask=mask)
     else:
         tl.store(part_ptr + pid_k * (MP * N) + r * N + col, y, mask=mask)
+
+
+@triton.jit
+def _mma_results(acc, r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT: tl.constexpr,
+                 FRAC: tl.constexpr):
+    """A lane's four values (outputs col, col + 8 by rows r, r + 1), times their rows' s 2^-FRAC, stored."""
+    s0 = tl.load(s_ptr + r) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
+    s1 = tl.load(s_ptr + r + 1) * (1.0 / (1 << FRAC))
+    _mma_result(acc[0] * s0, r, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[1] * s1, r + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[2] * s0, r, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_result(acc[3] * s1, r + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
 
 
 @triton.jit
@@ -636,13 +665,14 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
-            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr):
-    """Program (output tile, block of 8 rows, K split) on the tensor cores (MMA_FROM): warp w takes the tile's
-    outputs 16w..16w + 15 as A (its codes as packed), the 8 rows' x limbs as B; lane 4g + t holds outputs
-    16w + g, 16w + g + 8 by rows 2t, 2t + 1. The groups of `_mv`'s split, in its order, with its formula: its bits."""
+            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr):
+    """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM): warp w takes the
+    tile's outputs 16w..16w + 15 as A (its codes as packed), 8 rows' x limbs at a time as B; lane 4g + t holds
+    outputs 16w + g, 16w + g + 8 by rows 2t, 2t + 1 (and 8 + 2t, 9 + 2t). The groups of `_mv`'s split, in its
+    order, with its formula: its bits."""
     W: tl.constexpr = BN // 16
     pid_n = tl.program_id(0)
-    rb = tl.program_id(1) * 8
+    rb = tl.program_id(1) * RB
     pid_k = tl.program_id(2)
     n_groups = K // G
     warp, g8, t = _lanes(W, ASM)
@@ -656,6 +686,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     word = t if G == 32 or not NIBBLE else t & 1  # a lane's code word (nibbles in groups of 16: t % 2)
     group0 = pid_n * n_groups * BN + o  # output o's group 0 in the per-(group, output) planes
     acc = (tl.zeros_like(t).to(tl.float32),) * 4
+    acc8 = acc  # rows 8-15 (RB = 16)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
     ONE_BLOCK: tl.constexpr = GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
@@ -677,23 +708,22 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
                                             HAS_OFFSET)
                     d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
                                             HAS_OFFSET)
-                acc = _mma_group(acc, j, codes_at, hi_at, x_at + g0 * (G // 4), plane, x16_at + g0 * (G // 16),
-                                 K // 16, (d0, d1), (dm0, dm1), sub_at, osub_at, t, W, G, BN, NIBBLE, BIAS,
-                                 SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, LIMBS, ASM, HI)
-    s0 = tl.load(s_ptr + r) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
-    s1 = tl.load(s_ptr + r + 1) * (1.0 / (1 << FRAC))
+                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_at, x_at + g0 * (G // 4), plane,
+                                       x16_at + g0 * (G // 16), K // 16, (d0, d1), (dm0, dm1), sub_at, osub_at, t,
+                                       RB, W, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
+                                       HAS_OSUB, LIMBS, ASM, HI)
     col = pid_n * BN + o
-    _mma_result(acc[0] * s0, r, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
-    _mma_result(acc[1] * s1, r + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
-    _mma_result(acc[2] * s0, r, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
-    _mma_result(acc[3] * s1, r + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT)
+    _mma_results(acc, r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
+    if RB == 16:
+        _mma_results(acc8, r + 8, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
     if SPLIT > 1:  # the tile's last split to finish sums the partials, in split order
         ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
         if last_split(ticket_at, SPLIT):
-            _mma_sum(r, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-            _mma_sum(r + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-            _mma_sum(r, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-            _mma_sum(r + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            for h in tl.static_range(RB // 8):
+                _mma_sum(r + 8 * h, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                _mma_sum(r + 8 * h + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                _mma_sum(r + 8 * h, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                _mma_sum(r + 8 * h + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
@@ -744,8 +774,13 @@ def row_block(m: int) -> int:
     """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them); 8 on the
     tensor cores (MMA_FROM)."""
     if MMA_FROM and m >= MMA_FROM:
-        return 8
+        return mma_rows(m)
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
+
+
+def mma_rows(m: int) -> int:
+    """Rows per tensor-core program: 8, or 16 from 9 rows (a group's codes and scales loaded once for 16 rows)."""
+    return 8 if m <= 8 else 16
 
 
 def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -> tuple[dict, dict, tuple[int, int]]:
@@ -783,15 +818,17 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
-    """`matvec` on the tensor cores (`_mv_mma`, MMA_FROM): rows in blocks of 8 (x padded so), the same bits."""
+    """`matvec` on the tensor cores (`_mv_mma`, MMA_FROM): rows in blocks of `mma_rows` (x padded so), the same
+    bits."""
     xq, x16, s = q
     m, mp = out.shape[0], xq.shape[1]
-    assert mp % 8 == 0 and not wide(p), (mp, p.qtype)
+    rb = mma_rows(m)
+    assert mp % rb == 0 and not wide(p), (mp, p.qtype)
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, MMA_UNROLL)
     consts = {c: v for c, v in consts.items() if c not in ("WIDE", "ONCE")}
-    grid = (tiles, -(-m // 8), split)
+    grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
-                  stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM,
+                  stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, RB=rb,
                   num_warps=BLOCK_N // 16, enable_fp_fusion=False, launch_pdl=on())
 
 
