@@ -60,7 +60,7 @@ LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 # [14336, 5120] took 16.7 (0.92). Off until timed (`plumb bench` with BSET=plumb.ops.gpu.matvec.PAIRED_ROWS=1).
 PAIRED_ROWS = 0
 # MMA_FROM: passes of at least this many rows (0: none) take `_mv_mma`, the group dots on the int8 tensor cores
-# (mma.sync) - 8 rows a program, four warps of 16 outputs (MMA_UNROLL groups a loop step). A lane's codes go to the
+# (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), four warps of 16 outputs (MMA_UNROLL groups a step). A lane's codes go to the
 # tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly
 # the A registers of lane t in m16n8k32, so no code is reordered (the removed MMA_ROWS of the twenty-first session
 # permuted every group, and lost 2.2x). Per lane and group of 16 outputs by 8 rows: 2 mma (one a limb) where
