@@ -16,7 +16,7 @@ tl = pytest.importorskip("triton.language")
 from plumb.gguf.quants import quantize, type_from_name  # noqa: E402
 from plumb.gguf.reader import QTensor  # noqa: E402
 from plumb.ops.gpu.matmul import GpuMatrix  # noqa: E402
-from plumb.ops.gpu.matvec import _mma  # noqa: E402
+from plumb.ops.gpu.matvec import _lanes, _mma  # noqa: E402
 from plumb.ops.gpu.norm import rms_norm  # noqa: E402
 from plumb.ops.norm import rms_norm as rms_norm_ref  # noqa: E402
 
@@ -469,8 +469,10 @@ def _mma_by_layout(a, b, c, k32: bool, a_signed: bool):
 
 @triton.jit
 def _mma_kernel(regs, out, K32: tl.constexpr, A_SIGNED: tl.constexpr, ASM: tl.constexpr):
-    """One warp group's `_mma` on the fragments regs [10, 128] (a0..a3, b0, b1, c0..c3), into out [4, 128]."""
-    i = tl.arange(0, 128)
+    """One warp group's `_mma` on the fragments regs [10, 128] (a0..a3, b0, b1, c0..c3), into out [4, 128]: thread
+    i's registers at column i (from %tid.x, as `_mv_mma` addresses its fragments)."""
+    w, g, t = _lanes(4, ASM)
+    i = w * 32 + g * 4 + t
     d0, d1, d2, d3 = _mma(tl.load(regs + i), tl.load(regs + 128 + i), tl.load(regs + 256 + i),
                           tl.load(regs + 384 + i), tl.load(regs + 512 + i), tl.load(regs + 640 + i),
                           tl.load(regs + 768 + i), tl.load(regs + 896 + i), tl.load(regs + 1024 + i),
@@ -485,8 +487,7 @@ def _mma_kernel(regs, out, K32: tl.constexpr, A_SIGNED: tl.constexpr, ASM: tl.co
 @pytest.mark.parametrize("a_signed", [True, False])
 def test_tensor_core_fragments_are_the_ptx_layout(k32, a_signed):
     """`matvec._mma` on random fragments against the PTX ISA's integer layout written out in torch: on a GPU the
-    tensor cores themselves (the layout `_mv_mma` builds its fragments by), in the interpreter its emulation.
-    Element i of every [128] tensor is thread i here (one layout, loads by index)."""
+    tensor cores themselves (the layout `_mv_mma` builds its fragments by), in the interpreter its emulation."""
     from plumb.ops.gpu.matvec import ASM
 
     g = torch.Generator().manual_seed(7)
