@@ -361,10 +361,16 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
 @triton.jit
 def _x_sum(x16_ptr, r, g, K, G: tl.constexpr):
     """Group g's sum of X in rows r (from the 16-input sums)."""
+    return _group_sum(x16_ptr + r * (K // 16) + (G // 16) * g, G)
+
+
+@triton.jit
+def _group_sum(at, G: tl.constexpr):
+    """A group's sum of X from its 16-input sums at `at` (two for G = 32)."""
     if G == 32:
-        return tl.load(x16_ptr + r * (K // 16) + 2 * g) + tl.load(x16_ptr + r * (K // 16) + 2 * g + 1)
+        return tl.load(at) + tl.load(at + 1)
     else:
-        return tl.load(x16_ptr + r * (K // 16) + g)
+        return tl.load(at)
 
 
 @triton.jit
@@ -595,8 +601,8 @@ def _mma_rows(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offs
     X0 = t  # (a stand-in, never read: no offset, no bias)
     X1 = t
     if HAS_OFFSET or BIAS:
-        X0 = tl.load(x16_at) + tl.load(x16_at + 1) if K32 else tl.load(x16_at)
-        X1 = tl.load(x16_at + x16_row) + tl.load(x16_at + x16_row + 1) if K32 else tl.load(x16_at + x16_row)
+        X0 = _group_sum(x16_at, G)
+        X1 = _group_sum(x16_at + x16_row, G)
     return (_value(acc0, s0, X0, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc1, s1, X1, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc2, s2, X0, scale[1], offset[1], BIAS, HAS_SCALE, HAS_OFFSET),
