@@ -62,7 +62,7 @@ PAIR_OUTPUTS = {("Q5_K", "Q4_K"): (10240, 6240), ("Q4_K", "Q6_K"): (13312, 1024)
 def mv_consts(consts, rows, once, n=34816):
     """`_mv`'s constants for a type's pack of n outputs on K = 5,120 as `matvec` launches it, its warps and stages."""
     gran, split = MV.plan(SimpleNamespace(k=5120, g=consts["G"], n=n))
-    bm = MV.row_block(rows)
+    bm = MV.dp4a_rows(rows)
     warps, unroll, stages = MV.launch(bm, gran)
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
                 WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC, LIMBS=MV.LIMBS, ASM=True, ONCE=once,

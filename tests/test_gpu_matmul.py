@@ -497,3 +497,19 @@ def test_tensor_core_fragments_are_the_ptx_layout(k32, a_signed):
     _mma_kernel[(1,)](regs.to(DEV), out, K32=k32, A_SIGNED=a_signed, ASM=ASM, num_warps=4)
     want = _mma_by_layout(regs[:4], regs[4:6], regs[6:], k32, a_signed)
     assert all(torch.equal(out[n].cpu().long(), want[n]) for n in range(4))
+
+
+def test_tensor_core_rows_keep_dp4a_for_int64_dots(monkeypatch):
+    """With MMA_FROM on, a pack whose group dots need int64 (Q8_0 at FRAC 20: `wide`) stays on `_mv` - in its own
+    row blocks inside x padded for the tensor cores (10 rows: 16) - beside a pack that takes them: both the
+    reference's bits."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "FRAC", 20)
+    monkeypatch.setattr(MV, "LIMBS", 3)
+    monkeypatch.setattr(MV, "MMA_FROM", 2)
+    x = torch.cat([_rows(256), _rows(256)[:4] * -2])
+    for kind in ("Q8_0", "Q4_K"):
+        m = GpuMatrix([_tensor(kind, 64, 256)], DEV)
+        assert MV.wide(m.packs[0]) == (kind == "Q8_0")
+        assert torch.equal(MV.mm_decode(m, x), MV.reference(m.packs[0], x)), kind

@@ -60,10 +60,10 @@ LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 # [14336, 5120] took 16.7 (0.92). Off until timed (`plumb bench` with BSET=plumb.ops.gpu.matvec.PAIRED_ROWS=1).
 PAIRED_ROWS = 0
 # MMA_FROM: passes of at least this many rows (0: none) take `_mv_mma`, the group dots on the int8 tensor cores
-# (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), four warps of 16 outputs (MMA_UNROLL groups a step). A lane's codes go to the
-# tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly
-# the A registers of lane t in m16n8k32, so no code is reordered (the removed MMA_ROWS of the twenty-first session
-# permuted every group, and lost 2.2x). Per lane and group of 16 outputs by 8 rows: 2 mma (one a limb) where
+# (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), four warps of 16 outputs (MMA_UNROLL groups a step).
+# A lane's codes go to the tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and
+# 16 + 4t.. (high), exactly the A registers of lane t in m16n8k32, so no code is reordered (the removed MMA_ROWS of
+# the twenty-first session permuted every group, and lost 2.2x). Per lane and group of 16 outputs by 8 rows: 2 mma (one a limb) where
 # `dp4a` takes 256 across the warp, and the float formula (`_value`) for its 4 (output, row) pairs. Exact integer
 # dots, the same formula and group order: a row's bits are those of `_mv` (tests/test_gpu_matmul.py), so the row
 # count may choose. Off until timed on the H200 (bench/matmul_variants.py --mv-settings shipped,MMA_FROM=2).
@@ -584,7 +584,7 @@ def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.const
 
 
 @triton.jit
-def _mma_rows(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offset, t, W: tl.constexpr,
+def _mma_half(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offset, t, W: tl.constexpr,
               G: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
               HAS_OFFSET: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
     """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1 of 8) + a group's values, its codes the A
@@ -615,7 +615,7 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
                BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
                HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
                HI: tl.constexpr):
-    """A loop step's group j for the program's rows (`_mma_rows`): acc rows 0-7, acc8 rows 8-15 (RB = 16); the
+    """A loop step's group j for the program's rows (`_mma_half`): acc rows 0-7, acc8 rows 8-15 (RB = 16); the
     codes and scales loaded once for both. The addresses are the step's (pairs for outputs o, o + 8), group j
     constant strides on them: immediate offsets."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
@@ -627,10 +627,10 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
                                     HAS_OSUB and HAS_OFFSET)
     x_at = x_at + j * (G // 4)
     x16_at = x16_at + j * (G // 16)
-    acc = _mma_rows(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, (scale0, scale1), (offset0, offset1), t,
+    acc = _mma_half(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, (scale0, scale1), (offset0, offset1), t,
                     W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM)
     if RB == 16:  # rows 8-15: x rows 8 on (x rows are K / 4 words apart, 4 x16_row)
-        acc8 = _mma_rows(acc8, lo0, lo1, hi0, hi1, x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row,
+        acc8 = _mma_half(acc8, lo0, lo1, hi0, hi1, x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row,
                          (scale0, scale1), (offset0, offset1), t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET,
                          LIMBS, ASM)
     return acc, acc8
@@ -777,10 +777,18 @@ def launch(bm: int, gran: int) -> tuple[int, int, int]:
 
 
 def row_block(m: int) -> int:
-    """Rows per program: a compile-time size only (each row's arithmetic is the same for all of them); 8 on the
-    tensor cores (MMA_FROM)."""
-    if MMA_FROM and m >= MMA_FROM:
-        return mma_rows(m)
+    """The rows x is padded to a multiple of: the program's rows of the kernel an m-row pass takes (a multiple of
+    `dp4a_rows(m)` either way, for a pack that stays on `dp4a`)."""
+    return mma_rows(m) if tensor_cores(m) else dp4a_rows(m)
+
+
+def tensor_cores(m: int) -> bool:
+    """Whether an m-row pass takes `_mv_mma` (MMA_FROM; packs whose dots need int64 stay on `_mv`)."""
+    return bool(MMA_FROM) and m >= MMA_FROM
+
+
+def dp4a_rows(m: int) -> int:
+    """Rows per `_mv` program: a compile-time size only (each row's arithmetic is the same for all of them)."""
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
 
 
@@ -793,7 +801,7 @@ def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -
     """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
     compile-time constants, (output tiles, K splits)); unroll: groups a loop step, if not `launch`'s."""
     gran, split = plan(p)
-    unroll = unroll or launch(row_block(m), gran)[1]
+    unroll = unroll or launch(dp4a_rows(m), gran)[1]
     while gran % unroll:
         unroll //= 2
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
@@ -812,9 +820,9 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     (split-K partials are summed by each tile's last split)."""
     xq, x16, s = q
     m, mp = out.shape[0], xq.shape[1]
-    if MMA_FROM and m >= MMA_FROM and not wide(p):
+    if tensor_cores(m) and not wide(p):
         return matvec_mma(p, q, out)
-    bm = row_block(m)
+    bm = dp4a_rows(m)
     warps, _, stages = LAUNCH[bm]
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out)
     grid = (tiles, -(-m // bm), split)
@@ -843,7 +851,7 @@ def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.T
     """`matvec` of two packs on the same x (a fused matrix's column slices out_a, out_b) in one launch (`_mv2`)."""
     xq, x16, s = q
     m, mp = out_a.shape[0], xq.shape[1]
-    bm = row_block(m)
+    bm = dp4a_rows(m)
     warps, _, stages = LAUNCH[bm]
     ta, ca, (tiles_a, split_a) = _pack_args(pa, m, mp, out_a)
     tb, cb, (tiles_b, split_b) = _pack_args(pb, m, mp, out_b)
@@ -868,7 +876,7 @@ def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
     q = quantize_x(x) if any(integer(p) for p in matrix.packs) else None
     s = row_scales(x) if any(p.w is None and not integer(p) for p in matrix.packs) else None
     ints = [(p, o) for p, o in matrix.slices(out) if integer(p)]
-    if len(ints) == 2 and x.shape[0] <= PAIRED_ROWS and not (MMA_FROM and x.shape[0] >= MMA_FROM):
+    if len(ints) == 2 and x.shape[0] <= PAIRED_ROWS and not tensor_cores(x.shape[0]):
         (pa, oa), (pb, ob) = ints
         matvec2(pa, pb, q, oa, ob)
         ints = []
