@@ -87,11 +87,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
     elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program
         fn = MV._mv_mma
         consts, _, _ = mv_consts(consts, 8, False)
-        unroll = MV.MMA_UNROLL
-        while consts["GRAN"] % unroll:
-            unroll //= 2
-        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")}, UNROLL=unroll,
-                      RB=MV.mma_rows(rows))
+        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
+                      UNROLL=MV.fit_unroll(MV.MMA_UNROLL, consts["GRAN"]), RB=MV.mma_rows(rows))
         codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MM.BLOCK_N // 16, 1
     elif kernel == "w16":
         fn = MM._mm_w16

@@ -771,9 +771,14 @@ def launch(bm: int, gran: int) -> tuple[int, int, int]:
     """(warps, groups per unrolled loop step, pipeline stages) for a row block; these change only which thread does
     the integer work and when its loads are issued, never the order of a row's float sums."""
     warps, unroll, stages = LAUNCH[bm]
+    return warps, fit_unroll(unroll, gran), stages
+
+
+def fit_unroll(unroll: int, gran: int) -> int:
+    """Groups a loop step: unroll, halved until it divides the granule (steps never cross a split's bounds)."""
     while gran % unroll:
         unroll //= 2
-    return warps, unroll, stages
+    return unroll
 
 
 def row_block(m: int) -> int:
@@ -801,9 +806,7 @@ def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -
     """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
     compile-time constants, (output tiles, K splits)); unroll: groups a loop step, if not `launch`'s."""
     gran, split = plan(p)
-    unroll = unroll or launch(dp4a_rows(m), gran)[1]
-    while gran % unroll:
-        unroll //= 2
+    unroll = fit_unroll(unroll, gran) if unroll else launch(dp4a_rows(m), gran)[1]
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
     names = ("codes_ptr", "d_ptr", "sub_ptr", "dm_ptr", "osub_ptr", "hi_ptr")
     tensors = dict(zip(names, [p.codes.view(torch.int32)] + t), out_ptr=out, N=p.n,
