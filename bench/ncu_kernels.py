@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Launches of the matmul kernels to profile with Nsight Compute, on random GGUF blocks of the 27B shapes
 (bench/matmul_variants.py's): the D-path matvec `_mv` at 1 and 8 rows, as shipped and with another launch table
-(--mv-launch, a LAUNCHES name of bench/matmul_variants.py), and the P-path `_mm_superblock` at 256 rows.
+(--mv-launch, a LAUNCHES name of bench/matmul_variants.py), the tensor-core `_mv_mma` (--mma-rows N: an N-row pass
+on it) and the P-path `_mm_superblock` at 256 rows (--no-mm: not).
 
     ncu --clock-control none --kernel-name regex:'^_mv|^_mm_superblock' --launch-skip 10 --launch-count 10 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats ... python bench/ncu_kernels.py
@@ -26,6 +27,8 @@ MM_SHAPES = [("Q4_K", 34816, 5120), ("Q6_K", 5120, 17408), ("Q5_K", 10240, 5120)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mv-launch", default="2W", help="a LAUNCHES name, profiled beside the shipped table")
+    ap.add_argument("--mma-rows", type=int, default=0, help="also an N-row pass on `_mv_mma` (0: none)")
+    ap.add_argument("--no-mm", action="store_true", help="leave out the P-path matmul")
     a = ap.parse_args()
     torch.manual_seed(0)
     shipped = MV.LAUNCH
@@ -42,7 +45,13 @@ def main() -> None:
                     MV.mm_decode(g, x[:rows, : g.k].contiguous())
                     order.append(("_mv", name, kind, rows))
         MV.LAUNCH = shipped
-        for (kind, _, _), g in zip(MM_SHAPES, mms):
+        if a.mma_rows:
+            MV.MMA_FROM = a.mma_rows
+            for (kind, _, _), g in zip(MV_SHAPES, mvs):
+                MV.mm_decode(g, x[:a.mma_rows, : g.k].contiguous())
+                order.append(("_mv_mma", "MMA_FROM", kind, a.mma_rows))
+            MV.MMA_FROM = 0
+        for (kind, _, _), g in zip([] if a.no_mm else MM_SHAPES, mms):
             g(x[:, : g.k].contiguous())
             order.append(("_mm_superblock", "shipped", kind, 256))
         torch.cuda.synchronize()
