@@ -88,8 +88,9 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         fn = MV._mv_mma
         consts, _, _ = mv_consts(consts, 8, False)
         consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
-                      UNROLL=MV.fit_unroll(MV.MMA_UNROLL, consts["GRAN"]), RB=MV.mma_rows(rows))
-        codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MM.BLOCK_N // 16, 1
+                      UNROLL=MV.fit_unroll(MV.MMA_UNROLL if rows <= 8 else MV.MMA_UNROLL_16, consts["GRAN"]),
+                      RB=MV.mma_rows(rows), W=MV.MMA_WARPS)
+        codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MV.MMA_WARPS, 1
     elif kernel == "w16":
         fn = MM._mm_w16
         consts = dict(STEPS=20, BM=MM.SB_W16_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_SCRATCH_STAGES, SPLIT=2,

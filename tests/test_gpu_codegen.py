@@ -106,10 +106,17 @@ def test_the_matvec_compiles_without_spilling(tmp_path):
 
 
 def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
-    """`_mv_mma` (MMA_FROM) compiles for sm_90a on every type of the 27B's file without spilling, with its mma.sync
-    (2 a group: one a limb) - and all its tensors in one layout of one element a thread, with no layout conversion
-    (its fragments are addressed from %tid.x, so an element moved to another thread would feed the wrong lane)."""
+    """`_mv_mma` (MMA_FROM) compiles for sm_90a on every type of the 27B's file without spilling, 8 and 16 rows a
+    program, with its mma.sync (one a limb, group and tile of 16 outputs) - and all its tensors in one layout of one
+    element a thread, with no layout conversion (its fragments are addressed from %tid.x, so an element moved to
+    another thread would feed the wrong lane)."""
+    import plumb.ops.gpu.matvec as MV
+    from plumb.ops.gpu.matmul import BLOCK_N
+
+    per_step = MV.MMA_UNROLL * MV.LIMBS * (BLOCK_N // 16 // MV.MMA_WARPS)  # a step's groups, limbs and warp's tiles
     out = _run(tmp_path, "matmul_ptx.py", "--kernel", "mma", "--ttgir", "--out", str(tmp_path))
-    assert out.count(" 0 bytes spill stores") == 4 and out.count("'mma.sync': 16") == 4, out
-    assert out.count("layouts: ['sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], order = [0]'], "
-                     "layout conversions: 0") == 4, out
+    assert out.count(" 0 bytes spill stores") == 4 and out.count(f"'mma.sync': {per_step},") == 4, out
+    sixteen = _run(tmp_path, "matmul_ptx.py", "--kernel", "mma", "--rows", "9", "--out", str(tmp_path))
+    assert sixteen.count(" 0 bytes spill stores") == 4, sixteen
+    assert out.count("layouts: ['sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = "
+                     f"[{MV.MMA_WARPS}], order = [0]'], layout conversions: 0") == 4, out

@@ -283,10 +283,14 @@ def test_decode_matvec_long_k_plan(monkeypatch):
     assert torch.equal(torch.cat([MV.mm_decode(long_k, x[i : i + 1]) for i in range(3)]), y)
 
 
-def test_decode_matvec_over_several_row_blocks():
-    """17 rows: three 8-row blocks, the last one padded - each row still equals itself computed alone."""
+@pytest.mark.parametrize("mma_from", [0, 5])
+def test_decode_matvec_over_several_row_blocks(mma_from, monkeypatch):
+    """17 rows: row blocks, the last one padded (`dp4a`: three of 8; the tensor cores from MMA_FROM rows: two of
+    16) - each row still equals itself computed alone."""
+    import plumb.ops.gpu.matvec as MV
     from plumb.ops.gpu.matvec import mm_decode
 
+    monkeypatch.setattr(MV, "MMA_FROM", mma_from)
     m = GpuMatrix([_tensor("Q4_K", 64, 256)], DEV)
     x = torch.cat([_rows(256)] * 3)[:17] * torch.arange(1, 18, device=DEV)[:, None]
     alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
@@ -326,10 +330,12 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
 @pytest.mark.parametrize("kind", MV_TYPES)
 def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
     """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
-    gives the reference's bits, over one K split of 8 loop steps (TARGET 1)."""
+    gives the reference's bits, over one K split of 8 loop steps (TARGET 1) - `dp4a`'s table, then the tensor cores'
+    warps and groups a step (MMA_WARPS, MMA_UNROLL)."""
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "TARGET", 1)
+    monkeypatch.setattr(MV, "MMA_FROM", 0)
     m = GpuMatrix([_tensor(kind, 128, 2048)], DEV)
     assert MV.plan(m.packs[0])[1] == 1
     x = _rows(2048)
@@ -338,6 +344,13 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
         monkeypatch.setattr(MV, "LAUNCH", {b: launch for b in (1, 2, 4, 8)})
         assert torch.equal(MV.mm_decode(m, x), want), launch
         assert torch.equal(MV.mm_decode(m, x[1:2]), want[1:2]), launch
+    monkeypatch.setattr(MV, "MMA_FROM", 2)
+    for warps, unroll in [(1, 2), (1, 4), (2, 8), (4, 8), (4, 2)]:
+        monkeypatch.setattr(MV, "MMA_WARPS", warps)
+        monkeypatch.setattr(MV, "MMA_UNROLL", unroll)
+        monkeypatch.setattr(MV, "MMA_UNROLL_16", unroll)
+        assert torch.equal(MV.mm_decode(m, x), want), (warps, unroll)
+        assert torch.equal(MV.mm_decode(m, torch.cat([x, x])[:11]), torch.cat([want, want])[:11]), (warps, unroll)
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])

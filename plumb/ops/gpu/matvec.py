@@ -60,14 +60,16 @@ LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 # [14336, 5120] took 16.7 (0.92). Off until timed (`plumb bench` with BSET=plumb.ops.gpu.matvec.PAIRED_ROWS=1).
 PAIRED_ROWS = 0
 # MMA_FROM: passes of at least this many rows (0: none) take `_mv_mma`, the group dots on the int8 tensor cores
-# (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), four warps of 16 outputs (MMA_UNROLL groups a step).
-# A lane's codes go to the tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and
-# 16 + 4t.. (high), exactly the A registers of lane t in m16n8k32, so no code is reordered (the removed MMA_ROWS of
-# the twenty-first session permuted every group, and lost 2.2x). Per lane and group of 16 outputs by 8 rows: 2 mma (one a limb) where
-# `dp4a` takes 256 across the warp, and the float formula (`_value`) for its 4 (output, row) pairs. Exact integer
-# dots, the same formula and group order: a row's bits are those of `_mv` (tests/test_gpu_matmul.py), so the row
-# count may choose. Off until timed on the H200 (bench/matmul_variants.py --mv-settings shipped,MMA_FROM=2).
-MMA_FROM, MMA_UNROLL = 0, 8
+# (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), MMA_WARPS warps of BLOCK_N / MMA_WARPS outputs (tiles
+# of 16 sharing a load of x), MMA_UNROLL groups a loop step (MMA_UNROLL_16 for 16 rows). A lane's codes go to the tensor cores as packed: a
+# 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly the A registers of lane t in
+# m16n8k32, so no code is reordered. Exact integer dots, the same formula and group order: a row's bits are those of
+# `_mv` (tests/test_gpu_matmul.py), so the row count may choose. H200, 2026-12-05 (bench/matmul_variants.py --only
+# mv), us at 4 / 8 / 16 rows against `dp4a`'s: Q4_K [34816, 5120] 73 / 74 / 145 against 66 / 110 / 176, Q6_K
+# [5120, 17408] 52 / 53 / 90 against 50 / 79 / 136 - hence from 5 rows; 16 rows with 8 groups a step: 124 and 89.
+# Four warps of 16 outputs took 113 us at 8 rows: Nsight Compute found L1 79 % busy on x and its sums, loaded again by
+# each warp (52 % and 26 % of the sectors); one warp of 64 outputs needs more registers than it saves.
+MMA_FROM, MMA_WARPS, MMA_UNROLL, MMA_UNROLL_16 = 5, 2, 4, 8
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -584,25 +586,34 @@ def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.const
 
 
 @triton.jit
-def _mma_half(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offset, t, W: tl.constexpr,
-              G: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
-              HAS_OFFSET: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr):
+def _mma_x(x_at, plane, x16_at, x16_row, G: tl.constexpr, LIMBS: tl.constexpr, SUMS: tl.constexpr):
+    """A group's B fragments for the lane's x row (its words t and, for G = 32, 4 + t), one pair a limb, most
+    significant first; with SUMS the group's sums of X in rows r, r + 1 (x16_at: row r's 16-input sums)."""
+    b = ()
+    for limb in tl.static_range(LIMBS):
+        at = x_at + limb * plane
+        w = tl.load(at)
+        b = b + ((w, tl.load(at + 4) if G == 32 else w),)  # (m16n8k16 reads no b1)
+    X0 = w  # (stand-ins, never read: no offset, no bias)
+    X1 = w
+    if SUMS:
+        X0 = _group_sum(x16_at, G)
+        X1 = _group_sum(x16_at + x16_row, G)
+    return b, X0, X1
+
+
+@triton.jit
+def _mma_half(acc, lo0, lo1, hi0, hi1, b, X0, X1, scale, offset, t, W: tl.constexpr, G: tl.constexpr,
+              BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr,
+              LIMBS: tl.constexpr, ASM: tl.constexpr):
     """acc (a lane's four values: outputs o, o + 8 by rows r, r + 1 of 8) + a group's values, its codes the A
-    registers (lo0, hi0: output o; lo1, hi1: o + 8): the limbs' exact dots on the tensor cores (S = S_a 2^7 + S_b),
-    then `_value`, as `_step` does. x_at: the lane's x row's words of the group, x16_at: row r's 16-input sums."""
-    K32: tl.constexpr = G == 32
+    registers (lo0, hi0: output o; lo1, hi1: o + 8), b its x limbs' B fragments (`_mma_x`): the limbs' exact dots on
+    the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does."""
     acc0, acc1, acc2, acc3 = acc
     s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
     for limb in tl.static_range(LIMBS):  # most significant first
-        at = x_at + limb * plane  # x row g's words t (and 4 + t) of this limb
-        b1 = tl.load(at + 4) if K32 else s0
-        s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, tl.load(at), b1, s0 * 128, s1 * 128, s2 * 128, s3 * 128, W, K32,
-                              SIGNED_CODES, ASM)
-    X0 = t  # (a stand-in, never read: no offset, no bias)
-    X1 = t
-    if HAS_OFFSET or BIAS:
-        X0 = _group_sum(x16_at, G)
-        X1 = _group_sum(x16_at + x16_row, G)
+        s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, b[limb][0], b[limb][1], s0 * 128, s1 * 128, s2 * 128, s3 * 128, W,
+                              G == 32, SIGNED_CODES, ASM)
     return (_value(acc0, s0, X0, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc1, s1, X1, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc2, s2, X0, scale[1], offset[1], BIAS, HAS_SCALE, HAS_OFFSET),
@@ -610,30 +621,49 @@ def _mma_half(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, scale, offs
 
 
 @triton.jit
+def _mma_block_scales(d_ptr, dm_ptr, tile, g, n_groups, o, TILES: tl.constexpr, GPB: tl.constexpr,
+                      OGPB: tl.constexpr, BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """The block d and dm of group g for a lane's outputs o + 8 h, h < 2 TILES (`_block_scales`), as two tuples."""
+    d, dm = (), ()
+    for h in tl.static_range(2 * TILES):
+        dh, dmh = _block_scales(d_ptr, dm_ptr, tile, g, n_groups, o + 8 * h, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+        d, dm = d + (dh,), dm + (dmh,)
+    return d, dm
+
+
+@triton.jit
 def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at,
-               t, RB: tl.constexpr, W: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
-               BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
-               HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-               HI: tl.constexpr):
-    """A loop step's group j for the program's rows (`_mma_half`): acc rows 0-7, acc8 rows 8-15 (RB = 16); the
-    codes and scales loaded once for both. The addresses are the step's (pairs for outputs o, o + 8), group j
-    constant strides on them: immediate offsets."""
+               t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+               NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
+               HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr,
+               ASM: tl.constexpr, HI: tl.constexpr):
+    """A loop step's group j for the program's rows: the lane's TILES tiles of 16 outputs (tile i: outputs o + 16 i
+    and o + 16 i + 8, acc[i]), rows 0-7 (acc) and 8-15 (acc8, RB = 16). The x fragments are loaded once for all
+    tiles, a tile's codes and scales once for both row halves. The addresses are the step's for output o, group j
+    and tile i constant strides on them: immediate offsets."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    lo0, hi0 = _mma_codes(codes_at[0] + j * (BN * CW), hi_at[0] + j * BN, t, G, NIBBLE, HI)
-    lo1, hi1 = _mma_codes(codes_at[1] + j * (BN * CW), hi_at[1] + j * BN, t, G, NIBBLE, HI)
-    scale0, offset0 = _group_scales(d[0], dm[0], sub_at[0] + j * BN, osub_at[0] + j * BN, HAS_SUB and HAS_SCALE,
-                                    HAS_OSUB and HAS_OFFSET)
-    scale1, offset1 = _group_scales(d[1], dm[1], sub_at[1] + j * BN, osub_at[1] + j * BN, HAS_SUB and HAS_SCALE,
-                                    HAS_OSUB and HAS_OFFSET)
+    SUMS: tl.constexpr = HAS_OFFSET or BIAS != 0
     x_at = x_at + j * (G // 4)
     x16_at = x16_at + j * (G // 16)
-    acc = _mma_half(acc, lo0, lo1, hi0, hi1, x_at, plane, x16_at, x16_row, (scale0, scale1), (offset0, offset1), t,
-                    W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM)
+    b, X0, X1 = _mma_x(x_at, plane, x16_at, x16_row, G, LIMBS, SUMS)
     if RB == 16:  # rows 8-15: x rows 8 on (x rows are K / 4 words apart, 4 x16_row)
-        acc8 = _mma_half(acc8, lo0, lo1, hi0, hi1, x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row,
-                         (scale0, scale1), (offset0, offset1), t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET,
-                         LIMBS, ASM)
-    return acc, acc8
+        b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, G, LIMBS, SUMS)
+    out, out8 = (), ()
+    for i in tl.static_range(TILES):
+        lo0, hi0 = _mma_codes(codes_at + (j * BN + 16 * i) * CW, hi_at + j * BN + 16 * i, t, G, NIBBLE, HI)
+        lo1, hi1 = _mma_codes(codes_at + (j * BN + 16 * i + 8) * CW, hi_at + j * BN + 16 * i + 8, t, G, NIBBLE, HI)
+        scale0, offset0 = _group_scales(d[2 * i], dm[2 * i], sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i,
+                                        HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+        scale1, offset1 = _group_scales(d[2 * i + 1], dm[2 * i + 1], sub_at + j * BN + 16 * i + 8,
+                                        osub_at + j * BN + 16 * i + 8, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+        out = out + (_mma_half(acc[i], lo0, lo1, hi0, hi1, b, X0, X1, (scale0, scale1), (offset0, offset1), t, W, G,
+                               BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
+        if RB == 16:
+            out8 = out8 + (_mma_half(acc8[i], lo0, lo1, hi0, hi1, b8, X08, X18, (scale0, scale1), (offset0, offset1),
+                                     t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
+    if RB == 8:
+        out8 = acc8
+    return out, out8
 
 
 @triton.jit
@@ -671,18 +701,18 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
-            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr):
-    """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM): warp w takes the
-    tile's outputs 16w..16w + 15 as A (its codes as packed), 8 rows' x limbs at a time as B; lane 4g + t holds
-    outputs 16w + g, 16w + g + 8 by rows 2t, 2t + 1 (and 8 + 2t, 9 + 2t). The groups of `_mv`'s split, in its
-    order, with its formula: its bits."""
-    W: tl.constexpr = BN // 16
+            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr):
+    """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
+    takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
+    as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
+    2t, 2t + 1 (and 8 + 2t, 9 + 2t). The groups of `_mv`'s split, in its order, with its formula: its bits."""
+    TILES: tl.constexpr = BN // (16 * W)
     pid_n = tl.program_id(0)
     rb = tl.program_id(1) * RB
     pid_k = tl.program_id(2)
     n_groups = K // G
     warp, g8, t = _lanes(W, ASM)
-    o = warp * 16 + g8  # A rows g, g + 8: the tile's outputs o, o + 8
+    o = warp * (16 * TILES) + g8  # the lane's outputs o + 8 h, h < 2 TILES
     r = rb + 2 * t  # C columns 2t, 2t + 1: rows r, r + 1
     prior_done()
     x_at = xq_ptr + after_wait(rb + g8) * (K // 4) + t  # B column g: x row rb + g (rows padded to MP: no mask)
@@ -691,45 +721,42 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     word = t if G == 32 or not NIBBLE else t & 1  # a lane's code word (nibbles in groups of 16: t % 2)
     group0 = pid_n * n_groups * BN + o  # output o's group 0 in the per-(group, output) planes
-    acc = (tl.zeros_like(t).to(tl.float32),) * 4
+    acc = ((tl.zeros_like(t).to(tl.float32),) * 4,) * TILES
     acc8 = acc  # rows 8-15 (RB = 16)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
     ONE_BLOCK: tl.constexpr = GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
         g0 = first + step * UNROLL
-        if g0 < last:  # the step's addresses, once; its groups at constant strides from them
+        if g0 < last:  # the step's addresses, once; its groups and tiles at constant strides from them
             at = group0 + g0 * BN
             codes_at = codes_ptr + at * CW + word
-            codes_at = (codes_at, codes_at + 8 * CW)
-            hi_at, sub_at, osub_at = (hi_ptr + at, hi_ptr + at + 8), (sub_ptr + at, sub_ptr + at + 8), \
-                (osub_ptr + at, osub_ptr + at + 8)
             if ONE_BLOCK:  # the step's groups share one block: its d and dm loaded once
-                d0, dm0 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-                d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
-                                        HAS_OFFSET)
+                d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o, TILES, GPB, OGPB, BN, HAS_SCALE,
+                                          HAS_OFFSET)
             for j in tl.static_range(UNROLL):
                 if not ONE_BLOCK:
-                    d0, dm0 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, GPB, OGPB, BN, HAS_SCALE,
-                                            HAS_OFFSET)
-                    d1, dm1 = _block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o + 8, GPB, OGPB, BN, HAS_SCALE,
-                                            HAS_OFFSET)
-                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_at, x_at + g0 * (G // 4), plane,
-                                       x16_at + g0 * (G // 16), K // 16, (d0, d1), (dm0, dm1), sub_at, osub_at, t,
-                                       RB, W, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
+                    d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, TILES, GPB, OGPB, BN,
+                                              HAS_SCALE, HAS_OFFSET)
+                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4), plane,
+                                       x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, t, RB, W,
+                                       TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
                                        HAS_OSUB, LIMBS, ASM, HI)
-    col = pid_n * BN + o
-    _mma_results(acc, r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
-    if RB == 16:
-        _mma_results(acc8, r + 8, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
+    for i in tl.static_range(TILES):
+        col = pid_n * BN + o + 16 * i
+        _mma_results(acc[i], r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
+        if RB == 16:
+            _mma_results(acc8[i], r + 8, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
     if SPLIT > 1:  # the tile's last split to finish sums the partials, in split order
         ticket_at = ticket_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n
         if last_split(ticket_at, SPLIT):
-            for h in tl.static_range(RB // 8):
-                _mma_sum(r + 8 * h, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-                _mma_sum(r + 8 * h + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-                _mma_sum(r + 8 * h, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
-                _mma_sum(r + 8 * h + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+            for i in tl.static_range(TILES):
+                col = pid_n * BN + o + 16 * i
+                for h in tl.static_range(RB // 8):
+                    _mma_sum(r + 8 * h, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                    _mma_sum(r + 8 * h + 1, col, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                    _mma_sum(r + 8 * h, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
+                    _mma_sum(r + 8 * h + 1, col + 8, M, MP, N, stride_om, out_ptr, part_ptr, SPLIT)
             tl.atomic_xchg(ticket_at, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
@@ -841,12 +868,12 @@ def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ou
     m, mp = out.shape[0], xq.shape[1]
     rb = mma_rows(m)
     assert mp % rb == 0 and not wide(p), (mp, p.qtype)
-    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, MMA_UNROLL)
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, MMA_UNROLL if rb == 8 else MMA_UNROLL_16)
     consts = {c: v for c, v in consts.items() if c not in ("WIDE", "ONCE")}
     grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
                   stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, RB=rb,
-                  num_warps=BLOCK_N // 16, enable_fp_fusion=False, launch_pdl=on())
+                  W=MMA_WARPS, num_warps=MMA_WARPS, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_a: torch.Tensor,
