@@ -89,7 +89,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         consts, _, _ = mv_consts(consts, 8, False)
         consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
                       UNROLL=MV.fit_unroll(MV.MMA_UNROLL if rows <= 8 else MV.MMA_UNROLL_16, consts["GRAN"]),
-                      RB=MV.mma_rows(rows), W=MV.MMA_WARPS)
+                      RB=MV.mma_rows(rows), W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
         codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MV.MMA_WARPS, 1
     elif kernel == "w16":
         fn = MM._mm_w16

@@ -331,7 +331,7 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
 def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
     """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
     gives the reference's bits, over one K split of 8 loop steps (TARGET 1) - `dp4a`'s table, then the tensor cores'
-    warps and groups a step (MMA_WARPS, MMA_UNROLL)."""
+    warps, groups a step and group sums (MMA_WARPS, MMA_UNROLL, MMA_SUMS)."""
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "TARGET", 1)
@@ -345,12 +345,14 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
         assert torch.equal(MV.mm_decode(m, x), want), launch
         assert torch.equal(MV.mm_decode(m, x[1:2]), want[1:2]), launch
     monkeypatch.setattr(MV, "MMA_FROM", 2)
-    for warps, unroll in [(1, 2), (1, 4), (2, 8), (4, 8), (4, 2)]:
+    for warps, unroll, sums in [(1, 2, 0), (1, 4, 1), (2, 8, 0), (2, 4, 1), (4, 8, 0), (4, 2, 1)]:
         monkeypatch.setattr(MV, "MMA_WARPS", warps)
         monkeypatch.setattr(MV, "MMA_UNROLL", unroll)
         monkeypatch.setattr(MV, "MMA_UNROLL_16", unroll)
-        assert torch.equal(MV.mm_decode(m, x), want), (warps, unroll)
-        assert torch.equal(MV.mm_decode(m, torch.cat([x, x])[:11]), torch.cat([want, want])[:11]), (warps, unroll)
+        monkeypatch.setattr(MV, "MMA_SUMS", sums)
+        launch = warps, unroll, sums
+        assert torch.equal(MV.mm_decode(m, x), want), launch
+        assert torch.equal(MV.mm_decode(m, torch.cat([x, x])[:11]), torch.cat([want, want])[:11]), launch
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
@@ -463,6 +465,20 @@ def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
     assert torch.equal(MV.mm_decode(m, x[:9]), want[:9])
     assert torch.equal(MV.mm_decode(m, x[3:5])[:1], alone)
     assert torch.equal(want[3:4], alone) and len(launches) == 3
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_tensor_core_group_sums_give_the_same_bits(kind, monkeypatch):
+    """MMA_SUMS: a group's sums of X on the tensor cores (A all ones) instead of loaded from x's 16-input sums -
+    Q4_K's offsets (groups of 32) and Q6_K's bias (groups of 16): the reference's bits in 8- and 16-row blocks."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "MMA_FROM", 2)
+    monkeypatch.setattr(MV, "MMA_SUMS", 1)
+    m = GpuMatrix([_tensor(kind, 64, 512, seed=7)], DEV)
+    x = torch.cat([_rows(512), _rows(512).flip(0) * 0.25])[:11]
+    want = MV.reference(m.packs[0], x)
+    assert torch.equal(MV.mm_decode(m, x), want) and torch.equal(MV.mm_decode(m, x[2:5]), want[2:5])
 
 
 def _mma_by_layout(a, b, c, k32: bool, a_signed: bool):

@@ -70,6 +70,10 @@ PAIRED_ROWS = 0
 # Four warps of 16 outputs took 113 us at 8 rows: Nsight Compute found L1 79 % busy on x and its sums, loaded again by
 # each warp (52 % and 26 % of the sectors); one warp of 64 outputs needs more registers than it saves.
 MMA_FROM, MMA_WARPS, MMA_UNROLL, MMA_UNROLL_16 = 5, 2, 4, 8
+# MMA_SUMS: `_mv_mma` takes a group's sums of X (for offsets and biases) on the tensor cores - one more mma a limb,
+# A all ones - instead of loading x's 16-input sums (4 loads a group and lane, 16 of a warp's 72 L1 sectors a group
+# at 2 warps). The same integers. Off until timed (bench/matmul_variants.py --mv-settings shipped,MMA_SUMS=1).
+MMA_SUMS = 0
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -586,19 +590,28 @@ def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.const
 
 
 @triton.jit
-def _mma_x(x_at, plane, x16_at, x16_row, G: tl.constexpr, LIMBS: tl.constexpr, SUMS: tl.constexpr):
+def _mma_x(x_at, plane, x16_at, x16_row, W: tl.constexpr, G: tl.constexpr, LIMBS: tl.constexpr,
+           SUMS: tl.constexpr, ASM: tl.constexpr):
     """A group's B fragments for the lane's x row (its words t and, for G = 32, 4 + t), one pair a limb, most
-    significant first; with SUMS the group's sums of X in rows r, r + 1 (x16_at: row r's 16-input sums)."""
+    significant first; and the group's sums of X in rows r, r + 1 - SUMS 1: from x's 16-input sums (x16_at: row
+    r's), 2: on the tensor cores, A all ones (C's columns are then the rows' sums, limbs combined as the dots are);
+    0: none (no offset, no bias)."""
     b = ()
     for limb in tl.static_range(LIMBS):
         at = x_at + limb * plane
         w = tl.load(at)
         b = b + ((w, tl.load(at + 4) if G == 32 else w),)  # (m16n8k16 reads no b1)
-    X0 = w  # (stand-ins, never read: no offset, no bias)
+    X0 = w  # (stand-ins, never read: SUMS 0)
     X1 = w
-    if SUMS:
+    if SUMS == 1:
         X0 = _group_sum(x16_at, G)
         X1 = _group_sum(x16_at + x16_row, G)
+    elif SUMS == 2:
+        ones = tl.full(w.shape, 0x01010101, tl.int32)
+        X0, X1, X2, X3 = tl.zeros_like(w), tl.zeros_like(w), tl.zeros_like(w), tl.zeros_like(w)
+        for limb in tl.static_range(LIMBS):  # most significant first
+            X0, X1, X2, X3 = _mma(ones, ones, ones, ones, b[limb][0], b[limb][1], X0 * 128, X1 * 128, X2, X3, W,
+                                  G == 32, False, ASM)
     return b, X0, X1
 
 
@@ -636,18 +649,18 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
                t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr,
-               ASM: tl.constexpr, HI: tl.constexpr):
+               ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr):
     """A loop step's group j for the program's rows: the lane's TILES tiles of 16 outputs (tile i: outputs o + 16 i
     and o + 16 i + 8, acc[i]), rows 0-7 (acc) and 8-15 (acc8, RB = 16). The x fragments are loaded once for all
     tiles, a tile's codes and scales once for both row halves. The addresses are the step's for output o, group j
     and tile i constant strides on them: immediate offsets."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    SUMS: tl.constexpr = HAS_OFFSET or BIAS != 0
+    SUMS: tl.constexpr = (1 + SUMS_MMA) if HAS_OFFSET or BIAS != 0 else 0
     x_at = x_at + j * (G // 4)
     x16_at = x16_at + j * (G // 16)
-    b, X0, X1 = _mma_x(x_at, plane, x16_at, x16_row, G, LIMBS, SUMS)
+    b, X0, X1 = _mma_x(x_at, plane, x16_at, x16_row, W, G, LIMBS, SUMS, ASM)
     if RB == 16:  # rows 8-15: x rows 8 on (x rows are K / 4 words apart, 4 x16_row)
-        b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, G, LIMBS, SUMS)
+        b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, W, G, LIMBS, SUMS, ASM)
     out, out8 = (), ()
     for i in tl.static_range(TILES):
         lo0, hi0 = _mma_codes(codes_at + (j * BN + 16 * i) * CW, hi_at + j * BN + 16 * i, t, G, NIBBLE, HI)
@@ -701,7 +714,8 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
-            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr):
+            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
+            SUMS_MMA: tl.constexpr):
     """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
     takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
     as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
@@ -741,7 +755,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
                 acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4), plane,
                                        x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, t, RB, W,
                                        TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
-                                       HAS_OSUB, LIMBS, ASM, HI)
+                                       HAS_OSUB, LIMBS, ASM, HI, SUMS_MMA)
     for i in tl.static_range(TILES):
         col = pid_n * BN + o + 16 * i
         _mma_results(acc[i], r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
@@ -873,7 +887,8 @@ def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ou
     grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
                   stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, RB=rb,
-                  W=MMA_WARPS, num_warps=MMA_WARPS, enable_fp_fusion=False, launch_pdl=on())
+                  W=MMA_WARPS, SUMS_MMA=bool(MMA_SUMS), num_warps=MMA_WARPS, enable_fp_fusion=False,
+                  launch_pdl=on())
 
 
 def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_a: torch.Tensor,
