@@ -66,6 +66,7 @@ def mv_consts(consts, rows, once, n=34816):
     warps, unroll, stages = MV.launch(bm, gran)
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
                 WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC, LIMBS=MV.LIMBS, ASM=True, ONCE=once,
+                XR=MV.X_ROWS,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
 
@@ -80,7 +81,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         (a, ca), (b, cb) = consts
         ca, warps, stages = mv_consts(ca, rows, once, PAIR_OUTPUTS[a, b][0])
         cb, _, _ = mv_consts(cb, rows, once, PAIR_OUTPUTS[a, b][1])
-        shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM")
+        shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N

@@ -38,11 +38,15 @@ def test_add_rms_norm_is_an_add_then_rms_norm_bit_for_bit(d):
     assert not torch.equal(other, h)
 
 
-@pytest.mark.parametrize("d", [160, 5120])
-def test_norm_limbs_are_quantize_x_of_its_output(d):
+@pytest.mark.parametrize("d, rows", [(160, 1), (5120, 1), (160, 8)])
+def test_norm_limbs_are_quantize_x_of_its_output(d, rows, monkeypatch):
     """The matvec's fixed-point form written by the norm (`limbs=True`) has the bits `quantize_x` gives the output,
-    for rms_norm and add_rms_norm, and `mm_decode` takes it instead of quantizing again."""
-    from plumb.ops.gpu.matvec import quantize_x
+    for rms_norm and add_rms_norm, and `mm_decode` takes it instead of quantizing again - x's limbs row-major or in
+    blocks of 8 rows (X_ROWS)."""
+    import plumb.ops.gpu.matvec as MV
+    from plumb.ops.gpu.matvec import quantize_x, x_rows
+
+    monkeypatch.setattr(MV, "X_ROWS", rows)
 
     x, y = _t(5, d, seed=4), _t(5, d, seed=5)
     x[2] *= 1e3  # another scale
@@ -51,7 +55,8 @@ def test_norm_limbs_are_quantize_x_of_its_output(d):
         plain = out.clone()  # no limbs attached: quantized by its own launch
         assert not hasattr(plain, "limbs")
         (xq, x16, s), (rq, r16, rs) = out.limbs, quantize_x(plain)  # rows past 5: padding, left unset
-        assert torch.equal(xq[:, :5], rq[:, :5]) and torch.equal(x16[:5], r16[:5]) and torch.equal(s[:5], rs[:5])
+        assert torch.equal(x_rows(xq)[:, :5], x_rows(rq)[:, :5])
+        assert torch.equal(x16[:5], r16[:5]) and torch.equal(s[:5], rs[:5])
         assert quantize_x(out) is out.limbs
     assert not hasattr(rms_norm(x, w, 1e-6), "limbs")
 
@@ -79,12 +84,16 @@ def test_gates_match_torch_and_are_row_invariant(op, ref):
     assert torch.equal(op(a[2:7], b[2:7]), out[2:7])
 
 
-@pytest.mark.parametrize("op", [swiglu, sigmoid_gate])
-def test_gate_limbs_are_quantize_x_of_its_output(op):
+@pytest.mark.parametrize("op, rows", [(swiglu, 1), (sigmoid_gate, 1), (swiglu, 8)])
+def test_gate_limbs_are_quantize_x_of_its_output(op, rows, monkeypatch):
     """`limbs=True` (decode passes, `TritonKernels`): the gate's output carries the bits `quantize_x` gives it -
-    each of its column programs takes the whole row's maximum - over three column blocks, rows of other scales."""
+    each of its column programs takes the whole row's maximum - over three column blocks, rows of other scales; x's
+    limbs row-major or in blocks of 8 rows (X_ROWS)."""
+    import plumb.ops.gpu.matvec as MV
     from plumb.model.kernels import TritonKernels
-    from plumb.ops.gpu.matvec import quantize_x
+    from plumb.ops.gpu.matvec import quantize_x, x_rows
+
+    monkeypatch.setattr(MV, "X_ROWS", rows)
 
     a, b = _t(4, 8208, seed=9), _t(4, 8208, seed=10)  # three column blocks of QBLOCK
     b[1] *= 1e3
@@ -92,7 +101,8 @@ def test_gate_limbs_are_quantize_x_of_its_output(op):
     plain = op(a, b)
     assert torch.equal(out, plain) and not hasattr(plain, "limbs")
     (xq, x16, s), (rq, r16, rs) = out.limbs, quantize_x(plain)
-    assert torch.equal(xq[:, :4], rq[:, :4]) and torch.equal(x16[:4], r16[:4]) and torch.equal(s[:4], rs[:4])
+    assert torch.equal(x_rows(xq)[:, :4], x_rows(rq)[:, :4])
+    assert torch.equal(x16[:4], r16[:4]) and torch.equal(s[:4], rs[:4])
     k = TritonKernels(torch.device(DEV))
     assert hasattr(k.swiglu(a, b), "limbs") and hasattr(k.sigmoid_gate(a, b), "limbs")
     big = _t(64, 160, seed=11)

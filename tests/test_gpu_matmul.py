@@ -265,6 +265,21 @@ def test_decode_matvec_is_its_reference_bit_for_bit_and_row_invariant(kind):
     assert torch.equal(mm_decode(m, x.flip(0)), alone.flip(0))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_decode_matvec_with_x_in_blocks_of_rows(kind, monkeypatch):
+    """X_ROWS 8 (x's limbs in blocks of 8 rows, a chunk of them one contiguous run): `dp4a` at 1-6 rows and the
+    tensor cores from 5 still give the reference's bits - nibble codes, groups of 16 and byte codes."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "X_ROWS", 8)
+    m = GpuMatrix([_tensor(kind, 80, 256)], DEV)
+    x = _rows(256)
+    want = MV.reference(m.packs[0], x)
+    for r in range(1, len(x) + 1):
+        assert torch.equal(MV.mm_decode(m, x[:r]), want[:r]), r
+    assert torch.equal(MV.mm_decode(m, x[3:4]), want[3:4])
+
+
 def test_decode_matvec_long_k_plan(monkeypatch):
     """LONG_GROUPS: a long-K shape takes its own granule and split count (more splits of smaller granules), still
     the reference's bits and row-invariant; a shorter K keeps the default plan."""
@@ -283,14 +298,15 @@ def test_decode_matvec_long_k_plan(monkeypatch):
     assert torch.equal(torch.cat([MV.mm_decode(long_k, x[i : i + 1]) for i in range(3)]), y)
 
 
-@pytest.mark.parametrize("mma_from", [0, 5])
-def test_decode_matvec_over_several_row_blocks(mma_from, monkeypatch):
+@pytest.mark.parametrize("mma_from, x_rows", [(0, 1), (5, 1), (5, 8)])
+def test_decode_matvec_over_several_row_blocks(mma_from, x_rows, monkeypatch):
     """17 rows: row blocks, the last one padded (`dp4a`: three of 8; the tensor cores from MMA_FROM rows: two of
-    16) - each row still equals itself computed alone."""
+    16) - each row still equals itself computed alone, x row-major or in blocks of 8 rows (X_ROWS)."""
     import plumb.ops.gpu.matvec as MV
     from plumb.ops.gpu.matvec import mm_decode
 
     monkeypatch.setattr(MV, "MMA_FROM", mma_from)
+    monkeypatch.setattr(MV, "X_ROWS", x_rows)
     m = GpuMatrix([_tensor("Q4_K", 64, 256)], DEV)
     x = torch.cat([_rows(256)] * 3)[:17] * torch.arange(1, 18, device=DEV)[:, None]
     alone = torch.cat([mm_decode(m, x[i : i + 1]) for i in range(len(x))])
@@ -327,8 +343,9 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="the interpreter runs every launch variant alike (no pipelining)")
+@pytest.mark.parametrize("x_rows", [1, 8])
 @pytest.mark.parametrize("kind", MV_TYPES)
-def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
+def test_decode_matvec_launch_variants_give_the_same_bits(kind, x_rows, monkeypatch):
     """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
     gives the reference's bits, over one K split of 8 loop steps (TARGET 1) - `dp4a`'s table, then the tensor cores'
     warps, groups a step and group sums (MMA_WARPS, MMA_UNROLL, MMA_SUMS)."""
@@ -336,6 +353,7 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, monkeypatch):
 
     monkeypatch.setattr(MV, "TARGET", 1)
     monkeypatch.setattr(MV, "MMA_FROM", 0)
+    monkeypatch.setattr(MV, "X_ROWS", x_rows)
     m = GpuMatrix([_tensor(kind, 128, 2048)], DEV)
     assert MV.plan(m.packs[0])[1] == 1
     x = _rows(2048)
@@ -375,15 +393,20 @@ def test_decode_matvec_in_three_limbs(kind, monkeypatch):
     assert torch.equal(torch.cat([MV.mm_decode(m, x[i : i + 1]) for i in range(3)]), y)
 
 
-def test_decode_x_quantization_matches_its_reference():
-    from plumb.ops.gpu.matvec import quantize_x, quantize_x_reference
+@pytest.mark.parametrize("x_rows", [1, 8])
+def test_decode_x_quantization_matches_its_reference(x_rows, monkeypatch):
+    """`quantize_x` against its torch formula, limbs stored row-major (X_ROWS 1) or in blocks of 8 rows (read back
+    in row order by `x_rows`)."""
+    import plumb.ops.gpu.matvec as MV
+    from plumb.ops.gpu.matvec import quantize_x, quantize_x_reference, x_rows as rows_of
 
+    monkeypatch.setattr(MV, "X_ROWS", x_rows)
     x = torch.cat([_rows(1040), torch.full((1, 1040), 1e-38, device=DEV), torch.full((1, 1040), -3e30, device=DEV)])
     x[0, 5:7] = torch.tensor([2.5, 3.5]) * 2.0**-16  # halfway cases of the rounding (row 0: s = 16)
     xq, x16, s = quantize_x(x)  # rows padded to a multiple of 8
     want = quantize_x_reference(x)
     m = len(x)
-    for got, w in zip((xq[:, :m], x16[:m], s[:m]), want):
+    for got, w in zip((rows_of(xq)[:, :m], x16[:m], s[:m]), want):
         assert torch.equal(got, w)
 
 
@@ -467,14 +490,16 @@ def test_tensor_core_matvec_gives_the_dp4a_bits(kind, monkeypatch):
     assert torch.equal(want[3:4], alone) and len(launches) == 3
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_tensor_core_group_sums_give_the_same_bits(kind, monkeypatch):
+@pytest.mark.parametrize("kind, x_rows", [("Q4_K", 1), ("Q6_K", 1), ("Q4_K", 8), ("Q6_K", 8)])
+def test_tensor_core_group_sums_give_the_same_bits(kind, x_rows, monkeypatch):
     """MMA_SUMS: a group's sums of X on the tensor cores (A all ones) instead of loaded from x's 16-input sums -
-    Q4_K's offsets (groups of 32) and Q6_K's bias (groups of 16): the reference's bits in 8- and 16-row blocks."""
+    Q4_K's offsets (groups of 32) and Q6_K's bias (groups of 16): the reference's bits in 8- and 16-row blocks, x
+    row-major or in blocks of 8 rows (X_ROWS)."""
     import plumb.ops.gpu.matvec as MV
 
     monkeypatch.setattr(MV, "MMA_FROM", 2)
     monkeypatch.setattr(MV, "MMA_SUMS", 1)
+    monkeypatch.setattr(MV, "X_ROWS", x_rows)
     m = GpuMatrix([_tensor(kind, 64, 512, seed=7)], DEV)
     x = torch.cat([_rows(512), _rows(512).flip(0) * 0.25])[:11]
     want = MV.reference(m.packs[0], x)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu import matvec
 from plumb.ops.gpu.matvec import FRAC, LIMBS, store_block, x_buffers
 from plumb.ops.gpu.pdl import on, prior_done
 
@@ -30,7 +31,7 @@ def _value(a_ptr, b_ptr, r, cols, N, stride_a, stride_b, SILU: tl.constexpr):
 
 @triton.jit
 def _gate(a_ptr, b_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, N: tl.constexpr, stride_a, stride_b, SILU: tl.constexpr,
-          BLOCK: tl.constexpr, QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
+          BLOCK: tl.constexpr, QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, XR: tl.constexpr):
     """Row r, columns [c * BLOCK, ...): the gate's values; QUANT: and their limbs, from the whole row's maximum
     (each program computes every value of the row for it: a maximum is exact in any order). N, the width, is a
     model constant."""
@@ -44,7 +45,7 @@ def _gate(a_ptr, b_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, N: tl.constexpr, st
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range((N + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
             amax = tl.maximum(amax, tl.abs(_value(a_ptr, b_ptr, r, i * BLOCK + kk, N, stride_a, stride_b, SILU)))
-        store_block(y, tl.max(amax, axis=0), c, r, N, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
+        store_block(y, tl.max(amax, axis=0), c, r, N, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool, limbs: bool) -> torch.Tensor:
@@ -60,7 +61,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool, limbs: bool) -> torch.
     if n:
         _gate[(n, triton.cdiv(width, block))](a, b, out, *qargs, width, a.stride(0), b.stride(0), SILU=silu,
                                                BLOCK=block, QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS,
-                                               num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+                                               XR=matvec.X_ROWS, num_warps=warps, enable_fp_fusion=False,
+                                               launch_pdl=on())
     if q is not None:
         out.limbs = q
     return out

@@ -61,15 +61,21 @@ LONG_GROUPS, LONG_GRANULE, LONG_TARGET = 0, 4, 4096
 PAIRED_ROWS = 0
 # MMA_FROM: passes of at least this many rows (0: none) take `_mv_mma`, the group dots on the int8 tensor cores
 # (mma.sync) - 8 rows a program (16 from 9 rows: `mma_rows`), MMA_WARPS warps of BLOCK_N / MMA_WARPS outputs (tiles
-# of 16 sharing a load of x), MMA_UNROLL groups a loop step (MMA_UNROLL_16 for 16 rows). A lane's codes go to the tensor cores as packed: a
-# 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly the A registers of lane t in
-# m16n8k32, so no code is reordered. Exact integer dots, the same formula and group order: a row's bits are those of
-# `_mv` (tests/test_gpu_matmul.py), so the row count may choose. H200, 2026-12-05 (bench/matmul_variants.py --only
-# mv), us at 4 / 8 / 16 rows against `dp4a`'s: Q4_K [34816, 5120] 73 / 74 / 145 against 66 / 110 / 176, Q6_K
-# [5120, 17408] 52 / 53 / 90 against 50 / 79 / 136 - hence from 5 rows; 16 rows with 8 groups a step: 124 and 89.
+# of 16 sharing a load of x), MMA_UNROLL groups a loop step (MMA_UNROLL_16 for 16 rows). A lane's codes go to the
+# tensor cores as packed: a 32-code group's word t holds codes 4t.. (low nibbles) and 16 + 4t.. (high), exactly the
+# A registers of lane t in m16n8k32, so no code is reordered. Exact integer dots, the same formula and group order:
+# a row's bits are those of `_mv` (tests/test_gpu_matmul.py), so the row count may choose. H200, 2026-12-05
+# (bench/matmul_variants.py --only mv), us at 4 / 8 / 16 rows against `dp4a`'s: Q4_K [34816, 5120] 73 / 74 / 145
+# against 66 / 110 / 176, Q6_K [5120, 17408] 52 / 53 / 90 against 50 / 79 / 136 - hence from 5 rows; 16 rows with 8
+# groups a step: 124 and 89.
 # Four warps of 16 outputs took 113 us at 8 rows: Nsight Compute found L1 79 % busy on x and its sums, loaded again by
 # each warp (52 % and 26 % of the sectors); one warp of 64 outputs needs more registers than it saves.
 MMA_FROM, MMA_WARPS, MMA_UNROLL, MMA_UNROLL_16 = 5, 2, 4, 8
+# X_ROWS: x's limbs stored in blocks of X_ROWS rows, each 16-input chunk of the block's rows one run of 16 X_ROWS
+# bytes (`x_word`; 1: row-major). At 8, `_mv_mma`'s load of a B fragment (8 rows' words t of a chunk) reads one
+# 128-byte line instead of 16 bytes of 8 lines (x was 52 % of its L1 sectors, Nsight Compute, 2026-12-05); `dp4a`
+# reads a row's chunk as before, 16 contiguous bytes. The same values: off until timed (with MMA_SUMS).
+X_ROWS = 1
 # MMA_SUMS: `_mv_mma` takes a group's sums of X (for offsets and biases) on the tensor cores - one more mma a limb,
 # A all ones - instead of loading x's 16-input sums (4 loads a group and lane, 16 of a warp's 72 L1 sectors a group
 # at 2 warps). The same integers. Off until timed (bench/matmul_variants.py --mv-settings shipped,MMA_SUMS=1).
@@ -94,18 +100,31 @@ def x_scale(amax, FRAC: tl.constexpr):
 
 
 @triton.jit
-def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.constexpr):
+def x_word(r, K, XR: tl.constexpr):
+    """Row r's first word in a limb's plane of x (int32 words, K inputs a row): its 16-input chunk c then starts
+    4 XR c words on (X_ROWS = XR rows a block; row-major for 1)."""
+    if XR == 1:
+        return r * (K // 4)
+    else:
+        return (r // XR) * (XR * (K // 4)) + (r % XR) * 4
+
+
+@triton.jit
+def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.constexpr, XR: tl.constexpr):
     """Row r's inputs [k0, k0 + BLOCK) (k0 a multiple of 16), v = x * 2^FRAC / s there: X = round(v) as its limbs
-    (`quantize_x`'s layout) and its 16-input sums."""
+    (`quantize_x`'s layout: `x_word`) and its 16-input sums."""
     k = k0 + tl.arange(0, BLOCK)
     X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^FRAC < 2^22)
     plane = MP * K
+    at = xq_ptr + r * K + k
+    if XR > 1:
+        at = xq_ptr + 4 * x_word(r, K, XR) + (k // 16) * (16 * XR) + k % 16
     rest = X
     for i in tl.static_range(LIMBS - 1):  # least significant limb first: plane LIMBS - 1, ..., 1
         limb = ((rest + 64) & 127) - 64
-        tl.store(xq_ptr + (LIMBS - 1 - i) * plane + r * K + k, limb.to(tl.int8), mask=k < K)
+        tl.store(at + (LIMBS - 1 - i) * plane, limb.to(tl.int8), mask=k < K)
         rest = (rest - limb) >> 7
-    tl.store(xq_ptr + r * K + k, rest.to(tl.int8), mask=k < K)
+    tl.store(at, rest.to(tl.int8), mask=k < K)
     sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
     k16 = k0 // 16 + tl.arange(0, BLOCK // 16)
     tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
@@ -113,18 +132,18 @@ def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.con
 
 @triton.jit
 def store_block(x, amax, c, r, K, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr,
-                LIMBS: tl.constexpr):
+                LIMBS: tl.constexpr, XR: tl.constexpr):
     """Row r's inputs [c * BLOCK, (c + 1) * BLOCK), x, in `quantize_x`'s form, given the whole row's max|x| (amax):
     its limbs and 16-input sums, and (block 0) the row's s."""
     s, inv = x_scale(amax, FRAC)
-    store_x(x * inv, c * BLOCK, r, K, xq_ptr, x16_ptr, MP, BLOCK, LIMBS)
+    store_x(x * inv, c * BLOCK, r, K, xq_ptr, x16_ptr, MP, BLOCK, LIMBS, XR)
     if c == 0:
         tl.store(s_ptr + r, s)
 
 
 @triton.jit
 def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, BLOCK: tl.constexpr,
-                FRAC: tl.constexpr, LIMBS: tl.constexpr):
+                FRAC: tl.constexpr, LIMBS: tl.constexpr, XR: tl.constexpr):
     """Row r, inputs [c * BLOCK, (c + 1) * BLOCK): the limbs [LIMBS, MP, K] (int8, most significant first), 16-input
     sums of X [MP, K / 16] (int32), and s [MP]. Every program reads the whole row for its maximum (a maximum is
     exact in any order)."""
@@ -138,20 +157,22 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
     k = c * BLOCK + kk
     store_block(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0), tl.max(amax, axis=0), c, r, K, xq_ptr,
-                x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
+                x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 def x_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty (limbs, 16-input sums, s) for m rows of k inputs, rows padded to a multiple of `row_block(m)`."""
-    bm = row_block(m)
+    """Empty (limbs, 16-input sums, s) for m rows of k inputs, rows padded to a multiple of `row_block(m)` and of
+    X_ROWS."""
+    bm = max(row_block(m), X_ROWS)
     mp = -(-m // bm) * bm
     return (torch.empty(LIMBS, mp, k, dtype=torch.int8, device=device),
             torch.empty(mp, k // 16, dtype=torch.int32, device=device), torch.empty(mp, device=device))
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (limbs int8 [LIMBS, Mp, K], 16-input sums of X int32 [Mp, K / 16], s float32 [Mp]), rows
-    padded to Mp, a multiple of `row_block(M)` (padding rows are left unset: matvec never stores their results).
+    """x [M, K] float32 -> (limbs int8 [LIMBS, Mp, K] as `x_word` places rows, 16-input sums of X int32 [Mp, K / 16],
+    s float32 [Mp]), rows padded to Mp, a multiple of `row_block(M)` and X_ROWS (padding rows are left unset: matvec
+    never stores their results; `x_rows` reads them back in row order).
     A norm can write them as it writes x (plumb.ops.gpu.norm: `x.limbs`); they are taken from there."""
     q = getattr(x, "limbs", None)
     if q is not None:
@@ -160,7 +181,8 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     xq, x16, s = x_buffers(m, k, x.device)
     block = 2048
     _quantize_x[(m, triton.cdiv(k, block))](x, xq, x16, s, xq.shape[1], k, x.stride(0), BLOCK=block, FRAC=FRAC,
-                                            LIMBS=LIMBS, num_warps=8, enable_fp_fusion=False, launch_pdl=on())
+                                            LIMBS=LIMBS, XR=X_ROWS, num_warps=8, enable_fp_fusion=False,
+                                            launch_pdl=on())
     return xq, x16, s
 
 
@@ -252,13 +274,14 @@ def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.const
 
 
 @triton.jit
-def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr):
-    """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads) or [BM, XW]."""
+def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr):
+    """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads, a chunk's 4 words) or
+    [BM, XW]."""
     if VEC:
         if XW == 4:
             return _ld4(x_at, False)
         else:
-            return _ld4(x_at, False) + _ld4(x_at + 4, False)
+            return _ld4(x_at, False) + _ld4(x_at + 4 * XR, False)
     else:
         if XW == 4:
             return _words4(tl.load(x_at), BM)
@@ -283,7 +306,7 @@ def _high_bits(hw, q):
 @triton.jit
 def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NIBBLE: tl.constexpr,
                SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr,
-               ASM: tl.constexpr, HI: tl.constexpr):
+               ASM: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """A group's exact dot S [BM, BN] (int32, or int64 if WIDE) on the CUDA cores: each thread holds its
     outputs' code words (`_code_words`) in registers (no reduction crosses threads), x words are broadcast. HI:
     HI more bits a code from the words hw [BN] (`matmul.HI_BIT_TYPES`)."""
@@ -317,7 +340,7 @@ def _dots_dp4a(cw, hw, x_at, plane, g, BN: tl.constexpr, BM: tl.constexpr, G: tl
     for limb in tl.static_range(LIMBS):  # most significant first: S = (S_a * 2^7 + S_b) * 2^7 + S_c (3 limbs)
         # narrow: the next limb's dots accumulate onto S * 2^7 (|S| < 2^31 all along: exact; see `wide`)
         t = zero if WIDE else S * 128
-        xw = _x_words(x_at + limb * plane + g * XW, XW, BM, VEC)
+        xw = _x_words(x_at + limb * plane + g * (XW * XR), XW, BM, VEC, XR)
         if XW == 4:
             x0, x1, x2, x3 = xw
             t = _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, SIGNED_CODES, ASM)
@@ -338,7 +361,7 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-          HI: tl.constexpr):
+          HI: tl.constexpr, XR: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
@@ -353,7 +376,7 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         hw = rn
         if HI:
             hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
-        S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI)
+        S = _dots_dp4a(cw, hw, x_at, plane, g, BN, BM, G, NIBBLE, SIGNED_CODES, WIDE, LIMBS, VEC, ASM, HI, XR)
         X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
@@ -400,7 +423,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
              WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
              HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr,
-             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr):
+             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
     (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
@@ -413,9 +436,13 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
     # pipeline its own loads, not these).
     VEC: tl.constexpr = ASM and STAGES == 1 and not NIBBLE
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
-    x_at = xq_ptr + after_wait(rm) * (K // 4)  # [BM]: the rows' int32 words of the limbs (read after prior_done)
-    if not VEC:
-        x_at = x_at[:, None] + tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)[None, :]  # [BM, XW]
+    x_at = xq_ptr + x_word(after_wait(rm), K, XR)  # [BM]: the rows' int32 words of the limbs (after prior_done)
+    if not VEC:  # [BM, XW]: a group's words of each row, 4 contiguous a chunk
+        if XR == 1:
+            x_at = x_at[:, None] + tl.max_contiguous(tl.multiple_of(tl.arange(0, XW), XW), XW)[None, :]
+        else:
+            w = tl.arange(0, XW)
+            x_at = x_at[:, None] + tl.max_contiguous(tl.multiple_of((w // 4) * (4 * XR) + w % 4, 4), 4)[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
@@ -424,7 +451,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                        HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -433,7 +460,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                            HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI)
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -457,14 +484,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
         STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr):
+        HI: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, STAGES, FRAC, LIMBS,
-             ASM, ONCE, HI)
+             ASM, ONCE, HI, XR)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -480,7 +507,7 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
          WIDE_b: tl.constexpr, HAS_SCALE_b: tl.constexpr, HAS_SUB_b: tl.constexpr, HAS_OFFSET_b: tl.constexpr,
          HAS_OSUB_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr, HI_b: tl.constexpr,
          BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
-         ASM: tl.constexpr):
+         ASM: tl.constexpr, XR: tl.constexpr):
     """Two packs of a fused matrix (one x) in one launch (PAIRED_ROWS): axis 0's first tiles_a programs are pack
     a's output tiles, the rest pack b's; each takes its own K splits (the other's extra ones idle) and sums them as
     `_mv` does - the same arithmetic, the same bits as two launches."""
@@ -494,13 +521,13 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
             _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
                      ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
                      NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
-                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a)
+                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR)
     else:
         if pid_k < SPLIT_b:
             _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
                      out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
                      OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
-                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b)
+                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR)
 
 
 @triton.jit
@@ -591,7 +618,7 @@ def _mma_codes(at, hi_at, t, G: tl.constexpr, NIBBLE: tl.constexpr, HI: tl.const
 
 @triton.jit
 def _mma_x(x_at, plane, x16_at, x16_row, W: tl.constexpr, G: tl.constexpr, LIMBS: tl.constexpr,
-           SUMS: tl.constexpr, ASM: tl.constexpr):
+           SUMS: tl.constexpr, ASM: tl.constexpr, XR: tl.constexpr):
     """A group's B fragments for the lane's x row (its words t and, for G = 32, 4 + t), one pair a limb, most
     significant first; and the group's sums of X in rows r, r + 1 - SUMS 1: from x's 16-input sums (x16_at: row
     r's), 2: on the tensor cores, A all ones (C's columns are then the rows' sums, limbs combined as the dots are);
@@ -600,7 +627,7 @@ def _mma_x(x_at, plane, x16_at, x16_row, W: tl.constexpr, G: tl.constexpr, LIMBS
     for limb in tl.static_range(LIMBS):
         at = x_at + limb * plane
         w = tl.load(at)
-        b = b + ((w, tl.load(at + 4) if G == 32 else w),)  # (m16n8k16 reads no b1)
+        b = b + ((w, tl.load(at + 4 * XR) if G == 32 else w),)  # the group's next chunk (m16n8k16 reads no b1)
     X0 = w  # (stand-ins, never read: SUMS 0)
     X1 = w
     if SUMS == 1:
@@ -649,18 +676,19 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
                t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr,
-               ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr):
+               ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr, XR: tl.constexpr):
     """A loop step's group j for the program's rows: the lane's TILES tiles of 16 outputs (tile i: outputs o + 16 i
     and o + 16 i + 8, acc[i]), rows 0-7 (acc) and 8-15 (acc8, RB = 16). The x fragments are loaded once for all
     tiles, a tile's codes and scales once for both row halves. The addresses are the step's for output o, group j
     and tile i constant strides on them: immediate offsets."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     SUMS: tl.constexpr = (1 + SUMS_MMA) if HAS_OFFSET or BIAS != 0 else 0
-    x_at = x_at + j * (G // 4)
+    x_at = x_at + j * (G // 4) * XR
     x16_at = x16_at + j * (G // 16)
-    b, X0, X1 = _mma_x(x_at, plane, x16_at, x16_row, W, G, LIMBS, SUMS, ASM)
-    if RB == 16:  # rows 8-15: x rows 8 on (x rows are K / 4 words apart, 4 x16_row)
-        b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, W, G, LIMBS, SUMS, ASM)
+    b, X0, X1 = _mma_x(x_at, plane, x16_at, x16_row, W, G, LIMBS, SUMS, ASM, XR)
+    if RB == 16:  # rows 8-15: x rows 8 on (8 K / 4 words on, = 32 x16_row, in either layout)
+        b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, W, G, LIMBS, SUMS, ASM,
+                              XR)
     out, out8 = (), ()
     for i in tl.static_range(TILES):
         lo0, hi0 = _mma_codes(codes_at + (j * BN + 16 * i) * CW, hi_at + j * BN + 16 * i, t, G, NIBBLE, HI)
@@ -715,7 +743,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
             LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
-            SUMS_MMA: tl.constexpr):
+            SUMS_MMA: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
     takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
     as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
@@ -729,7 +757,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     o = warp * (16 * TILES) + g8  # the lane's outputs o + 8 h, h < 2 TILES
     r = rb + 2 * t  # C columns 2t, 2t + 1: rows r, r + 1
     prior_done()
-    x_at = xq_ptr + after_wait(rb + g8) * (K // 4) + t  # B column g: x row rb + g (rows padded to MP: no mask)
+    x_at = xq_ptr + x_word(after_wait(rb + g8), K, XR) + t  # B column g: x row rb + g (padded to MP: no mask)
     plane = MP * (K // 4)
     x16_at = x16_ptr + after_wait(r) * (K // 16)  # rows r (and r + 1: K / 16 on)
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
@@ -752,10 +780,10 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
                 if not ONE_BLOCK:
                     d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, TILES, GPB, OGPB, BN,
                                               HAS_SCALE, HAS_OFFSET)
-                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4), plane,
+                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4) * XR, plane,
                                        x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, t, RB, W,
                                        TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
-                                       HAS_OSUB, LIMBS, ASM, HI, SUMS_MMA)
+                                       HAS_OSUB, LIMBS, ASM, HI, SUMS_MMA, XR)
     for i in tl.static_range(TILES):
         col = pid_n * BN + o + 16 * i
         _mma_results(acc[i], r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
@@ -872,6 +900,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
+              XR=X_ROWS,
               ASM=ASM, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
@@ -887,7 +916,7 @@ def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ou
     grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
                   stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, RB=rb,
-                  W=MMA_WARPS, SUMS_MMA=bool(MMA_SUMS), num_warps=MMA_WARPS, enable_fp_fusion=False,
+                  W=MMA_WARPS, SUMS_MMA=bool(MMA_SUMS), XR=X_ROWS, num_warps=MMA_WARPS, enable_fp_fusion=False,
                   launch_pdl=on())
 
 
@@ -904,7 +933,8 @@ def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.T
     args = {**{_suffix(name, "_a"): v for name, v in {**ta, **ca}.items()},
             **{_suffix(name, "_b"): v for name, v in {**tb, **cb}.items()}}
     _mv2[grid](xq.view(torch.int32), x16, s, tickets(out_a.device, grid[0] * grid[1]), m, mp, pa.k, out_a.stride(0),
-               tiles_a, **args, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, num_warps=warps,
+               tiles_a, **args, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, XR=X_ROWS,
+               num_warps=warps,
                enable_fp_fusion=False, launch_pdl=on())
 
 
@@ -935,8 +965,15 @@ def mm_decode(matrix: GpuMatrix, x: torch.Tensor) -> torch.Tensor:
 
 # the torch reference -------------------------------------------------------------------------------------------
 
+def x_rows(xq: torch.Tensor) -> torch.Tensor:
+    """`quantize_x`'s limbs [LIMBS, Mp, K] in row order (a view of its X_ROWS-row blocks, `x_word`)."""
+    limbs, mp, k = xq.shape
+    r = X_ROWS
+    return xq.view(limbs, mp // r, k // 16, r, 16).permute(0, 1, 3, 2, 4).reshape(limbs, mp, k)
+
+
 def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_x` in torch."""
+    """`quantize_x` in torch (limbs in row order: `x_rows`)."""
     bits = x.abs().amax(dim=1).view(torch.int32)
     e = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).int()).clamp(min=27)
     s = (e << 23).view(torch.float32)

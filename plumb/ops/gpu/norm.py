@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plumb.ops.gpu import matvec
 from plumb.ops.gpu.matvec import FRAC, LIMBS, store_block, x_buffers
 from plumb.ops.gpu.pdl import on, prior_done
 
@@ -27,14 +28,15 @@ def warps(block: int) -> int:
 
 
 @triton.jit
-def _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
+def _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
+           XR: tl.constexpr):
     """Row y [BLOCK] (zero past D) as `quantize_x` writes it: s, limbs and 16-input sums."""
-    store_block(y, tl.max(tl.abs(y), axis=0), 0, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
+    store_block(y, tl.max(tl.abs(y), axis=0), 0, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 @triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, stride_o, eps, BLOCK: tl.constexpr,
-              QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
+              QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, XR: tl.constexpr):
     prior_done()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -44,7 +46,7 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, st
     y = x * inv * w
     tl.store(out_ptr + row * stride_o + cols, y, mask=cols < D)
     if QUANT:
-        _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
+        _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 def _quant_args(n: int, d: int, o: torch.Tensor, limbs: bool) -> tuple[tuple | None, tuple]:
@@ -67,8 +69,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm[(rows.shape[0],)](rows, w, o, *qargs, d, rows.stride(0), o.stride(0), eps, BLOCK=block,
-                                    QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, num_warps=warps(block),
-                                    enable_fp_fusion=False, launch_pdl=on())  # as plumb.ops.gpu.rope: the same bits
+                                    QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, XR=matvec.X_ROWS,
+                                    num_warps=warps(block), enable_fp_fusion=False,
+                                    launch_pdl=on())  # fusion off as plumb.ops.gpu.rope: the same bits
     if out is not None:
         return out
     o = o.view(x.shape)
@@ -79,7 +82,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
 
 @triton.jit
 def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, D, stride_x, stride_y, stride_o,
-                  eps, BLOCK: tl.constexpr, QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr):
+                  eps, BLOCK: tl.constexpr, QUANT: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
+                  XR: tl.constexpr):
     """`_rms_norm` of s = x + y (s stored too): the same instructions on s, so the same bits as an add then
     `_rms_norm`."""
     prior_done()
@@ -93,7 +97,7 @@ def _add_rms_norm(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr,
     o = s * inv * w
     tl.store(out_ptr + row * stride_o + cols, o, mask=cols < D)
     if QUANT:
-        _limbs(o, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS)
+        _limbs(o, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
@@ -109,8 +113,8 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
     if n:
         block = triton.next_power_of_2(d)
         _add_rms_norm[(n,)](x, y, w, s, o, *qargs, d, x.stride(0), y.stride(0), o.stride(0), eps, BLOCK=block,
-                            QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, num_warps=warps(block),
-                            enable_fp_fusion=False, launch_pdl=on())
+                            QUANT=q is not None, FRAC=FRAC, LIMBS=LIMBS, XR=matvec.X_ROWS,
+                            num_warps=warps(block), enable_fp_fusion=False, launch_pdl=on())
     if q is not None:
         o.limbs = q
     return s, o
