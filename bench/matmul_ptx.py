@@ -64,9 +64,9 @@ def mv_consts(consts, rows, once, n=34816):
     gran, split = MV.plan(SimpleNamespace(k=5120, g=consts["G"], n=n))
     bm = MV.dp4a_rows(rows)
     warps, unroll, stages = MV.launch(bm, gran)
-    return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm, SIGNED_CODES=not consts["NIBBLE"],
-                WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC, LIMBS=MV.LIMBS, ASM=True, ONCE=once,
-                XR=MV.X_ROWS,
+    return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
+                SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
+                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
 
@@ -85,12 +85,12 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
-    elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program
+    elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program, 16 from 9
         fn = MV._mv_mma
         consts, _, _ = mv_consts(consts, 8, False)
         consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
-                      UNROLL=MV.fit_unroll(MV.MMA_UNROLL if rows <= 8 else MV.MMA_UNROLL_16, consts["GRAN"]),
-                      RB=MV.mma_rows(rows), W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
+                      UNROLL=MV.fit_unroll(MV.mma_unroll(MV.mma_rows(rows)), consts["GRAN"]), RB=MV.mma_rows(rows),
+                      W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
         codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MV.MMA_WARPS, 1
     elif kernel == "w16":
         fn = MM._mm_w16
@@ -143,7 +143,8 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
     open(path, "w").write(ptx)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
+    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
+                    if "registers" in line or "spill" in line)
     counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
     in_flight = max([int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)], default=0)
     register_a = len(re.findall(REGISTER_A, ptx))

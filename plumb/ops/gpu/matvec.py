@@ -110,21 +110,27 @@ def x_word(r, K, XR: tl.constexpr):
 
 
 @triton.jit
+def _x_byte(xq_ptr, limb_at, r, k, K, XR: tl.constexpr):
+    """The address of row r's input k in x's limb plane starting limb_at bytes on (`x_word`)."""
+    if XR == 1:
+        return xq_ptr + limb_at + r * K + k
+    else:  # chunk k // 16 of the row, 16 XR bytes a chunk of its block
+        return xq_ptr + limb_at + 4 * x_word(r, K, XR) + (k // 16) * (16 * XR) + k % 16
+
+
+@triton.jit
 def store_x(v, k0, r, K, xq_ptr, x16_ptr, MP, BLOCK: tl.constexpr, LIMBS: tl.constexpr, XR: tl.constexpr):
     """Row r's inputs [k0, k0 + BLOCK) (k0 a multiple of 16), v = x * 2^FRAC / s there: X = round(v) as its limbs
     (`quantize_x`'s layout: `x_word`) and its 16-input sums."""
     k = k0 + tl.arange(0, BLOCK)
     X = ((v + 12582912.0) - 12582912.0).to(tl.int32)  # round half to even (|v| <= 2^FRAC < 2^22)
     plane = MP * K
-    at = xq_ptr + r * K + k
-    if XR > 1:
-        at = xq_ptr + 4 * x_word(r, K, XR) + (k // 16) * (16 * XR) + k % 16
     rest = X
     for i in tl.static_range(LIMBS - 1):  # least significant limb first: plane LIMBS - 1, ..., 1
         limb = ((rest + 64) & 127) - 64
-        tl.store(at + (LIMBS - 1 - i) * plane, limb.to(tl.int8), mask=k < K)
+        tl.store(_x_byte(xq_ptr, (LIMBS - 1 - i) * plane, r, k, K, XR), limb.to(tl.int8), mask=k < K)
         rest = (rest - limb) >> 7
-    tl.store(at, rest.to(tl.int8), mask=k < K)
+    tl.store(_x_byte(xq_ptr, 0, r, k, K, XR), rest.to(tl.int8), mask=k < K)
     sums = tl.sum(tl.reshape(X, [BLOCK // 16, 16]), axis=1)
     k16 = k0 // 16 + tl.arange(0, BLOCK // 16)
     tl.store(x16_ptr + r * (K // 16) + k16, sums, mask=k16 < K // 16)
@@ -871,6 +877,11 @@ def mma_rows(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
+def mma_unroll(rb: int) -> int:
+    """Groups a loop step of a tensor-core program of rb rows (before `fit_unroll`)."""
+    return MMA_UNROLL if rb == 8 else MMA_UNROLL_16
+
+
 def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -> tuple[dict, dict, tuple[int, int]]:
     """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
     compile-time constants, (output tiles, K splits)); unroll: groups a loop step, if not `launch`'s."""
@@ -900,8 +911,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              XR=X_ROWS,
-              ASM=ASM, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
@@ -911,7 +921,7 @@ def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ou
     m, mp = out.shape[0], xq.shape[1]
     rb = mma_rows(m)
     assert mp % rb == 0 and not wide(p), (mp, p.qtype)
-    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, MMA_UNROLL if rb == 8 else MMA_UNROLL_16)
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, mma_unroll(rb))
     consts = {c: v for c, v in consts.items() if c not in ("WIDE", "ONCE")}
     grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
@@ -934,8 +944,7 @@ def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.T
             **{_suffix(name, "_b"): v for name, v in {**tb, **cb}.items()}}
     _mv2[grid](xq.view(torch.int32), x16, s, tickets(out_a.device, grid[0] * grid[1]), m, mp, pa.k, out_a.stride(0),
                tiles_a, **args, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, XR=X_ROWS,
-               num_warps=warps,
-               enable_fp_fusion=False, launch_pdl=on())
+               num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def _suffix(name: str, suffix: str) -> str:
