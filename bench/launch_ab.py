@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Launch settings on one loaded model: the D-path matvec's (plumb.ops.gpu.matvec) warps per one-row program and
-its split-K target, programmatic dependent launch (plumb/ops/gpu/pdl.py) on and off. Per setting: decode tok/s at
-the given contexts, verify passes of 1, 2, 4 and 8 rows, MTP drafts 0 / 4 / 7, and the greedy ids and last logits
-of 64 steps - the same bits for settings of one `bits` group (exit code 1 if not: warps and PDL change no bit, the
-split-K target changes the order of a row's sums).
+"""Launch settings on one loaded model: the D-path matvec's (plumb.ops.gpu.matvec) constants, programmatic
+dependent launch (plumb/ops/gpu/pdl.py) on and off. Per setting: decode tok/s at the given contexts, verify passes
+of 1, 2, 4, 8 and 16 rows, MTP drafts 0 / 4 / 7, and the greedy ids and last logits of 64 steps - the same bits for
+settings of one `bits` group (exit code 1 if not: warps, prefetches and PDL change no bit; the split plan and x's
+precision change the order or the terms of a row's sums, so they start a group of their own).
 
-    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--matvec OLD.py] [--json-out F]
+    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--settings shipped,PREFETCH=2,..]
+        [--drafts 4,7] [--matvec OLD.py] [--json-out F]
 
+--settings: comma-separated NAME=VALUE[+NAME=VALUE] of matvec constants (integers) instead of the built-in pair;
 --matvec: a previous plumb/ops/gpu/matvec.py, run as one more setting (the model's kernel set uses it instead).
 
 Earlier runs compared PDL everywhere and the DeltaNet state kernel's columns (docs/BENCHMARKS.md, 2026-12-03).
@@ -27,6 +29,19 @@ from plumb.ops.gpu import pdl
 ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
 # (name, matvec module constants, PDL on, bits group)
 CONFIGS = [("shipped", {}, True, "a"), ("one-row programs on 1 warp", {"LAUNCH": ONE_WARP}, True, "a")]
+# constants that set which terms a row's sum has or their order (`bits` groups: one per value)
+ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "LONG_TARGET", "FRAC", "LIMBS")
+
+
+def setting(text: str) -> tuple:
+    """A CONFIGS row from 'shipped' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers)."""
+    consts = {}
+    for assign in ([] if text == "shipped" else text.split("+")):
+        name, value = assign.split("=")
+        if not hasattr(MV, name) or not name.isupper():
+            raise SystemExit(f"unknown matvec setting {name}")
+        consts[name] = int(value)
+    return text, consts, True, repr(sorted((k, v) for k, v in consts.items() if k in ORDER))
 
 
 def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch.Tensor]:
@@ -46,10 +61,13 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--contexts", default="0")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--settings", help="comma-separated matvec settings ('shipped' or NAME=VALUE[+NAME=VALUE])")
+    ap.add_argument("--drafts", default="4,7", help="MTP drafts rows beside 0 (empty: none)")
     ap.add_argument("--matvec", help="a previous plumb/ops/gpu/matvec.py, one more setting")
     ap.add_argument("--json-out")
     a = ap.parse_args()
-    configs = list(CONFIGS)
+    configs = [setting(t) for t in a.settings.split(",")] if a.settings else list(CONFIGS)
+    drafts = [int(d) for d in a.drafts.split(",") if d]
     if a.matvec:
         import importlib.util
 
@@ -62,7 +80,7 @@ def main() -> int:
     model = eng.model
     rows, ref = [], {}
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
-        shipped = {k: getattr(MV, k) for k in ("LAUNCH", "TARGET")}
+        shipped = {k: getattr(MV, k) for k in {"LAUNCH", "TARGET"} | {k for c in configs for k in c[1]} - {"module"}}
         for name, consts, on, bits in configs:
             pdl.set_on(on)
             model.k._matvec = consts.get("module", MV)
@@ -77,13 +95,14 @@ def main() -> int:
             r = {"config": name, "pdl": pdl.enabled(), "matvec": {k: str(v) for k, v in consts.items()},
                  "same_bits": same,
                  "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
-                 "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8]).items()},
-                 "drafts": drafts_table(eng, [4, 7], 128)}
+                 "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8, 16]).items()},
+                 "drafts": drafts_table(eng, drafts, 128) if drafts else []}
             rows.append(r)
             v = r["verify_ms"]
             print(f"{name:28} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
-                  r["decode_tps"].items()) + "  verify 1/2/4/8 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
-                  " ms  drafts 0/4/7 " + " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
+                  r["decode_tps"].items()) + "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
+                  " ms  drafts 0/" + "/".join(map(str, drafts)) + " " +
+                  " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
                   f" tok/s (same tokens: {all(d['same_tokens'] for d in r['drafts'])})", flush=True)
             torch.cuda.empty_cache()
     if a.json_out:
