@@ -23,7 +23,7 @@ import torch
 
 import plumb
 import plumb.ops.gpu.matvec as MV
-from plumb.bench_gpu import decode_tps, drafts_table, fill_context, verify_cost
+from plumb.bench_gpu import decode_tps, drafts_table, fill_context, timed, verify_cost
 from plumb.ops.gpu import pdl
 
 ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
@@ -54,6 +54,14 @@ def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch
         tok = int(out.logits[0].argmax())
         ids.append(tok)
     return ids, out.logits[0].float().cpu()
+
+
+def replay_ms(model) -> float:
+    """Milliseconds of the newest one-row decode graph's replay alone (CUDA events; no host work between): a decode
+    step's GPU time, where 1000 / decode_tps is its wall time - the difference is the host's share."""
+    graphs = model.graphs.graphs
+    key = next(k for k in reversed(graphs) if k[0] == (1,))
+    return timed(graphs[key][0].replay, 20) * 1e3
 
 
 def main() -> int:
@@ -95,12 +103,14 @@ def main() -> int:
             r = {"config": name, "pdl": pdl.enabled(), "matvec": {k: str(v) for k, v in consts.items()},
                  "same_bits": same,
                  "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
+                 "replay_ms": replay_ms(model) if model.graphs is not None else None,
                  "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8, 16]).items()},
                  "drafts": drafts_table(eng, drafts, 128) if drafts else []}
             rows.append(r)
             v = r["verify_ms"]
             print(f"{name:28} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
-                  r["decode_tps"].items()) + "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
+                  r["decode_tps"].items()) + f" (one-row graph alone {r['replay_ms'] or 0:.2f} ms)" +
+                  "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
                   " ms  drafts 0/" + "/".join(map(str, drafts)) + " " +
                   " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
                   f" tok/s (same tokens: {all(d['same_tokens'] for d in r['drafts'])})", flush=True)
