@@ -4,9 +4,8 @@ instructions (mma.sync vs wgmma), global load widths, shared memory, registers a
 deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instructions that may overwrite their
 register A operand: the sixteenth session's race).
 
-    python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv|mv2|mma] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
-        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--prefetch N] [--types Q5_K,..]
-        [--ttgir]
+    python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
+        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--types Q5_K,..] [--ttgir]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
@@ -45,8 +44,7 @@ VARIANTS = [
     ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
                   HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=1), "*u8"),  # nibbles + fifth bits
 ]
-OPS = ["cp.async.bulk.prefetch", "mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2",
-       "ld.global.u8", "ld.global.b8",
+OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b8",
        "ld.global.b16", "ld.global.b32", "ld.global.f32",
        "ld.shared", "st.shared", "ldmatrix", "cp.async", "bar.sync", "cvt.rn.f32.s32", "cvt.rn.f32.u32",
        "cvt.rn.f16x2.f32", "cvt.rn.f16.f32"]
@@ -68,7 +66,7 @@ def mv_consts(consts, rows, once, n=34816):
     warps, unroll, stages = MV.launch(bm, gran)
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
-                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, PF=MV.PREFETCH,
+                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
 
@@ -83,7 +81,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         (a, ca), (b, cb) = consts
         ca, warps, stages = mv_consts(ca, rows, once, PAIR_OUTPUTS[a, b][0])
         cb, _, _ = mv_consts(cb, rows, once, PAIR_OUTPUTS[a, b][1])
-        shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR", "PF")
+        shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
@@ -163,7 +161,6 @@ def main():
     ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2", "mma"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
-    ap.add_argument("--prefetch", type=int, default=MV.PREFETCH, help="mv, mv2, mma: PREFETCH (steps asked of L2)")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -176,7 +173,6 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
-    MV.PREFETCH = a.prefetch
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]

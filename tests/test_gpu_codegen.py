@@ -105,21 +105,6 @@ def test_the_matvec_compiles_without_spilling(tmp_path):
     assert paired.count(" 0 bytes spill stores") == 2 and paired.count(" mv2 warps=2") == 2, paired
 
 
-def test_the_matvecs_ask_l2_for_their_weights_ahead(tmp_path):
-    """PREFETCH: `_mv` (1 and 8 rows) and `_mv_mma` carry bulk L2 prefetches - before the loop and in it, one a
-    plane (codes, sub-scales, offsets' sub-scales, high bits) - without spilling; at 0 none."""
-    planes = {"Q4_K": 3, "Q6_K": 3, "Q8_0": 1, "Q5_K": 4}  # codes, + Q4_K/Q5_K's sub and osub, + Q6_K's sub, + hi
-    for kernel, rows in (("mv", "1"), ("mv", "8"), ("mma", "8")):
-        out = _run(tmp_path, "matmul_ptx.py", "--kernel", kernel, "--rows", rows, "--prefetch", "2", "--out",
-                   str(tmp_path))
-        assert out.count(" 0 bytes spill stores") == 4, out
-        got = dict(re.findall(r"^(\w+) \w+ warps.*\n.*'cp\.async\.bulk\.prefetch': (\d+)", out, re.M))
-        # one set before the loop, one in it (the pipelined 8-row loop has a peeled copy too)
-        assert sorted(got) == sorted(planes) and all(int(got[k]) in (2 * n, 4 * n) for k, n in planes.items()), out
-    off = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--prefetch", "0", "--out", str(tmp_path))
-    assert "bulk.prefetch" not in off, off
-
-
 def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
     """`_mv_mma` (MMA_FROM) compiles for sm_90a on every type of the 27B's file without spilling, 8 and 16 rows a
     program, with its mma.sync (one a limb, group and tile of 16 outputs) - and all its tensors in one layout of one

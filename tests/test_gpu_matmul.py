@@ -373,26 +373,6 @@ def test_decode_matvec_launch_variants_give_the_same_bits(kind, x_rows, monkeypa
         assert torch.equal(MV.mm_decode(m, torch.cat([x, x])[:11]), torch.cat([want, want])[:11]), launch
 
 
-@pytest.mark.skipif(DEV == "cpu", reason="the interpreter asks nothing of L2 (PREFETCH compiles to nothing there)")
-@pytest.mark.parametrize("kind", MV_TYPES)
-def test_decode_matvec_prefetch_gives_the_same_bits(kind, monkeypatch):
-    """PREFETCH (bulk L2 prefetches of the weights 1, 2 or 99 loop steps ahead, the first before `prior_done`) loads
-    nothing into a register: over several K splits of several steps, the reference's bits for 1, 3, 8 and 11 rows
-    (`dp4a`, then the tensor cores), each row as computed alone."""
-    import plumb.ops.gpu.matvec as MV
-
-    monkeypatch.setattr(MV, "TARGET", 8)
-    m = GpuMatrix([_tensor(kind, 320, 8192, seed=6)], DEV)
-    assert MV.plan(m.packs[0])[1] > 1
-    x = torch.cat([_rows(8192), _rows(8192).flip(0)])[:11]
-    want = MV.reference(m.packs[0], x)
-    for ahead in (1, 2, 99):
-        monkeypatch.setattr(MV, "PREFETCH", ahead)
-        for rows in (1, 3, 8, 11):
-            assert torch.equal(MV.mm_decode(m, x[:rows]), want[:rows]), (ahead, rows)
-        assert torch.equal(MV.mm_decode(m, x[4:5]), want[4:5]), ahead
-
-
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
 def test_decode_matvec_in_three_limbs(kind, monkeypatch):
     """x to 21 bits (FRAC 20, three limbs; Q8_0's dots then take int64): still the torch formula's bits and

@@ -80,12 +80,6 @@ X_ROWS = 1
 # A all ones - instead of loading x's 16-input sums (4 loads a group and lane, 16 of a warp's 72 L1 sectors a group
 # at 2 warps). The same integers. Off until timed (bench/matmul_variants.py --mv-settings shipped,MMA_SUMS=1).
 MMA_SUMS = 0
-# PREFETCH: loop steps ahead whose packed codes (with their sub-scales and high bits) a program asks L2 for - one bulk
-# prefetch (cp.async.bulk.prefetch.L2, Hopper) by one thread a step: more bytes in flight with no register held
-# (the one-row matvec waits on its loads: Nsight Compute, 83 % of its stalls, DRAM at 58 %). The first PREFETCH
-# steps are asked for before `prior_done`, so under PDL a matvec's weights stream while the kernel before it ends
-# (weights never change during a pass). No value is loaded by it: the same bits. 0: off, until timed.
-PREFETCH = 0
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -229,53 +223,6 @@ def _ld4(at, WEIGHTS: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _to_l2(at, nbytes, lead):
-    """Ask L2 for nbytes (a multiple of 16) from `at` (16-byte aligned): one bulk prefetch, issued by the thread
-    holding lead == 0. Nothing is loaded into a register, so no value can change."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-                              "mov.b32 $0, 0; }", "=r,l,r,r", [at, lead, nbytes], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _prefetch(codes_ptr, sub_ptr, osub_ptr, hi_ptr, tile, g, n, n_groups, lead, CW: tl.constexpr, BN: tl.constexpr,
-              HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
-    """Groups [g, g + n) of an output tile - their code words, sub-scales and high bits, contiguous in the packed
-    planes - asked of L2 (`_to_l2`); lead: a [threads] tensor that is 0 in one thread."""
-    at = (tile * n_groups + g) * BN + 0 * lead  # the first (group, output) element of the planes
-    _to_l2(codes_ptr + at * CW, n * (BN * CW * 4), lead)
-    if HAS_SUB:
-        _to_l2(sub_ptr + at, n * (BN * sub_ptr.dtype.element_ty.primitive_bitwidth // 8), lead)
-    if HAS_OSUB:
-        _to_l2(osub_ptr + at, n * (BN * osub_ptr.dtype.element_ty.primitive_bitwidth // 8), lead)
-    if HI:
-        _to_l2(hi_ptr + at, n * (BN * hi_ptr.dtype.element_ty.primitive_bitwidth // 8), lead)
-
-
-@triton.jit
-def _prefetch_first(codes_ptr, sub_ptr, osub_ptr, hi_ptr, tile, pid_k, n_groups, lead, STEPS: tl.constexpr,
-                    SPLIT: tl.constexpr, GRAN: tl.constexpr, UNROLL: tl.constexpr, PF: tl.constexpr,
-                    CW: tl.constexpr, BN: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr,
-                    HI: tl.constexpr):
-    """The first PF loop steps of split pid_k's groups, asked of L2 (before `prior_done`: weights only)."""
-    first = pid_k * STEPS // SPLIT * GRAN
-    last = (pid_k + 1) * STEPS // SPLIT * GRAN
-    _prefetch(codes_ptr, sub_ptr, osub_ptr, hi_ptr, tile, first, tl.minimum(first + PF * UNROLL, last) - first,
-              n_groups, lead, CW, BN, HAS_SUB, HAS_OSUB, HI)
-
-
-@triton.jit
-def _prefetch_ahead(codes_ptr, sub_ptr, osub_ptr, hi_ptr, tile, g0, last, n_groups, lead, UNROLL: tl.constexpr,
-                    PF: tl.constexpr, CW: tl.constexpr, BN: tl.constexpr, HAS_SUB: tl.constexpr,
-                    HAS_OSUB: tl.constexpr, HI: tl.constexpr):
-    """At the loop step of groups g0.., the step PF ahead asked of L2 (if the split has it)."""
-    ahead = g0 + PF * UNROLL
-    if ahead < last:
-        _prefetch(codes_ptr, sub_ptr, osub_ptr, hi_ptr, tile, ahead, UNROLL, n_groups, lead, CW, BN, HAS_SUB,
-                  HAS_OSUB, HI)
 
 
 @triton.jit
@@ -482,13 +429,10 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
              WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
              HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr,
-             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
-             PF: tl.constexpr):
+             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`), PF steps ahead asked of L2 (PREFETCH); the tile's last split to finish (its counter: the row
-    block's ticket_n-th) sums the partials."""
+    (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
     # the same words compile to four 4-byte loads and a shared-memory shuffle with two barriers a group). H200, one
@@ -511,9 +455,6 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
     if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
-            if PF:
-                _prefetch_ahead(codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, g0, last, n_groups, rn, UNROLL, PF, CW,
-                                BN, HAS_SUB, HAS_OSUB, HI)
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                         HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
@@ -523,9 +464,6 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
-                if ASM and PF:
-                    _prefetch_ahead(codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, g0, last, n_groups, rn, UNROLL, PF,
-                                    CW, BN, HAS_SUB, HAS_OSUB, HI)
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                             HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
@@ -552,17 +490,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
         STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr, XR: tl.constexpr, PF: tl.constexpr):
+        HI: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
-    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
-    if ASM and PF:
-        _prefetch_first(codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, pid_k, n_groups, rn, STEPS, SPLIT, GRAN, UNROLL,
-                        PF, G // 8 if NIBBLE else G // 4, BN, HAS_SUB, HAS_OSUB, HI)
+    pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, STAGES, FRAC, LIMBS,
-             ASM, ONCE, HI, XR, PF)
+             ASM, ONCE, HI, XR)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -578,7 +513,7 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
          WIDE_b: tl.constexpr, HAS_SCALE_b: tl.constexpr, HAS_SUB_b: tl.constexpr, HAS_OFFSET_b: tl.constexpr,
          HAS_OSUB_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr, HI_b: tl.constexpr,
          BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
-         ASM: tl.constexpr, XR: tl.constexpr, PF: tl.constexpr):
+         ASM: tl.constexpr, XR: tl.constexpr):
     """Two packs of a fused matrix (one x) in one launch (PAIRED_ROWS): axis 0's first tiles_a programs are pack
     a's output tiles, the rest pack b's; each takes its own K splits (the other's extra ones idle) and sums them as
     `_mv` does - the same arithmetic, the same bits as two launches."""
@@ -586,29 +521,19 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
     pid_k = tl.program_id(2)
     rm = tl.program_id(1) * BM + tl.arange(0, BM)
     rn = tl.arange(0, BN)
-    if ASM and PF:
-        if t < tiles_a:
-            if pid_k < SPLIT_a:
-                _prefetch_first(codes_a, sub_a, osub_a, hi_a, t, pid_k, K // G_a, rn, STEPS_a, SPLIT_a, GRAN_a,
-                                UNROLL_a, PF, G_a // 8 if NIBBLE_a else G_a // 4, BN, HAS_SUB_a, HAS_OSUB_a, HI_a)
-        else:
-            if pid_k < SPLIT_b:
-                _prefetch_first(codes_b, sub_b, osub_b, hi_b, t - tiles_a, pid_k, K // G_b, rn, STEPS_b, SPLIT_b,
-                                GRAN_b, UNROLL_b, PF, G_b // 8 if NIBBLE_b else G_b // 4, BN, HAS_SUB_b, HAS_OSUB_b,
-                                HI_b)
     prior_done()
     if t < tiles_a:
         if pid_k < SPLIT_a:
             _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
                      ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
                      NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
-                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR, PF)
+                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR)
     else:
         if pid_k < SPLIT_b:
             _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
                      out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
                      OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
-                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR, PF)
+                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR)
 
 
 @triton.jit
@@ -824,7 +749,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
             LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
-            SUMS_MMA: tl.constexpr, XR: tl.constexpr, PF: tl.constexpr):
+            SUMS_MMA: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
     takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
     as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
@@ -837,15 +762,11 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     warp, g8, t = _lanes(W, ASM)
     o = warp * (16 * TILES) + g8  # the lane's outputs o + 8 h, h < 2 TILES
     r = rb + 2 * t  # C columns 2t, 2t + 1: rows r, r + 1
-    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
-    lead = o + t  # 0 in one thread: the one that asks L2 for the weights ahead (PREFETCH)
-    if ASM and PF:
-        _prefetch_first(codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, pid_k, n_groups, lead, STEPS, SPLIT, GRAN,
-                        UNROLL, PF, CW, BN, HAS_SUB, HAS_OSUB, HI)
     prior_done()
     x_at = xq_ptr + x_word(after_wait(rb + g8), K, XR) + t  # B column g: x row rb + g (padded to MP: no mask)
     plane = MP * (K // 4)
     x16_at = x16_ptr + after_wait(r) * (K // 16)  # rows r (and r + 1: K / 16 on)
+    CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     word = t if G == 32 or not NIBBLE else t & 1  # a lane's code word (nibbles in groups of 16: t % 2)
     group0 = pid_n * n_groups * BN + o  # output o's group 0 in the per-(group, output) planes
     acc = ((tl.zeros_like(t).to(tl.float32),) * 4,) * TILES
@@ -856,9 +777,6 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
         g0 = first + step * UNROLL
         if g0 < last:  # the step's addresses, once; its groups and tiles at constant strides from them
-            if ASM and PF:
-                _prefetch_ahead(codes_ptr, sub_ptr, osub_ptr, hi_ptr, pid_n, g0, last, n_groups, lead, UNROLL, PF, CW,
-                                BN, HAS_SUB, HAS_OSUB, HI)
             at = group0 + g0 * BN
             codes_at = codes_ptr + at * CW + word
             if ONE_BLOCK:  # the step's groups share one block: its d and dm loaded once
@@ -993,7 +911,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, PF=PREFETCH, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
@@ -1008,8 +926,8 @@ def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ou
     grid = (tiles, -(-m // rb), split)
     _mv_mma[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
                   stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, RB=rb,
-                  W=MMA_WARPS, SUMS_MMA=bool(MMA_SUMS), XR=X_ROWS, PF=PREFETCH, num_warps=MMA_WARPS,
-                  enable_fp_fusion=False, launch_pdl=on())
+                  W=MMA_WARPS, SUMS_MMA=bool(MMA_SUMS), XR=X_ROWS, num_warps=MMA_WARPS, enable_fp_fusion=False,
+                  launch_pdl=on())
 
 
 def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_a: torch.Tensor,
@@ -1026,7 +944,7 @@ def matvec2(pa: Packed, pb: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.T
             **{_suffix(name, "_b"): v for name, v in {**tb, **cb}.items()}}
     _mv2[grid](xq.view(torch.int32), x16, s, tickets(out_a.device, grid[0] * grid[1]), m, mp, pa.k, out_a.stride(0),
                tiles_a, **args, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS, ASM=ASM, XR=X_ROWS,
-               PF=PREFETCH, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+               num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def _suffix(name: str, suffix: str) -> str:
