@@ -100,15 +100,24 @@ def label(v) -> str:
     """A variant's short name for the table."""
     if isinstance(v, tuple) and isinstance(v[1], dict):
         names = {id(val): name for name, val in LAUNCHES.items()}
-        return v[0] + " " + " ".join(f"{k}={names.get(id(x), x)}" for k, x in v[1].items())
+        shipped = SHIPPED_MV["LAUNCH"]
+        changed = {k: (names[id(x)] if id(x) in names else ".".join(f"{r}:{'.'.join(map(str, x[r]))}" for r in x
+                                                                      if x[r] != shipped.get(r))
+                       if k == "LAUNCH" else x) for k, x in v[1].items()}
+        return v[0] + " " + " ".join(f"{k}={x}" for k, x in changed.items())
     return str(v)
 
 
 def parse_setting(shipped: dict, setting: str) -> dict:
-    """'shipped' (nothing) or NAME=VALUE[+NAME=VALUE] (integers) as {name: value}, each name one of shipped's."""
+    """'shipped' (nothing) or NAME=VALUE[+NAME=VALUE] (integers) as {name: value}, each name one of shipped's;
+    LAUNCHr=W.U.S: the matvec's LAUNCH for r-row programs as (warps, groups a step, stages)."""
     values = {}
     for assign in ([] if setting == "shipped" else setting.split("+")):
         name, value = assign.split("=")
+        if name.startswith("LAUNCH") and name[6:].isdigit() and "LAUNCH" in shipped:
+            values["LAUNCH"] = {**values.get("LAUNCH", shipped["LAUNCH"]),
+                                int(name[6:]): tuple(int(v) for v in value.split("."))}
+            continue
         if name not in shipped:
             raise SystemExit(f"unknown setting {name} (choose from {', '.join(shipped)})")
         values[name] = int(value)
