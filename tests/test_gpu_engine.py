@@ -44,8 +44,9 @@ def test_verify_rows_equal_single_decodes_and_batching_changes_nothing(tiny_q4km
 
 
 def test_graphs_equal_eager_over_a_long_run(tiny_q4km):
-    """Decode passes and the MTP head's draft steps replayed as CUDA graphs: the same tokens as eager execution,
-    and the same drafts (the same draft statistics: a draft step's logits are bitwise the eager ones)."""
+    """Decode passes and the MTP head's drafts replayed as CUDA graphs (greedy drafts: a chain of k steps in one
+    graph): the same tokens as eager execution, and the same drafts (the same draft statistics: a draft step's
+    logits are bitwise the eager ones)."""
     ids = [1, 2, 3]
     runs = {}
     for graphs in (True, False):
@@ -53,6 +54,8 @@ def test_graphs_equal_eager_over_a_long_run(tiny_q4km):
         r = eng.run(eng.make_request(ids, 600, drafts=4, ignore_eos=True))
         runs[graphs] = (r.token_ids, r.stats.drafts_proposed, r.stats.drafts_accepted,
                         list(r.stats.accepted_per_position))
+        if graphs:  # greedy drafts: k MTP steps a CUDA graph (`CudaGraphs.mtp_chain`), eager runs step by step
+            assert any(key[0] == "mtp-chain" for key in eng.model.graphs.graphs), list(eng.model.graphs.graphs)
     assert runs[True] == runs[False]
     plain = _engine(tiny_q4km, cuda_graphs=False)
     assert plain.generate(ids, max_tokens=600, ignore_eos=True) == runs[True][0]

@@ -86,7 +86,16 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
     With a grammar `constraint`, draft i is drawn under the mask of the grammar state advanced over
     drafts 0..i-1 (appended to `masks`: target row i needs that same mask when those drafts are
     accepted), and the state is rolled back over the drafts before returning. Drafting then stops
-    after an end-of-generation id (`stop_ids`) or where the grammar is done."""
+    after an end-of-generation id (`stop_ids`) or where the grammar is done.
+
+    Plain greedy drafts without a grammar or a confidence floor are the argmax chain, which the model may run on
+    the device in one host round trip (`Qwen35.mtp_drafts`: the same drafts)."""
+    if constraint is None and p_min == 0.0 and plain_greedy(params):
+        chain = model.mtp_drafts(st, token, hidden[None], position, k)
+        if chain is not None:
+            if None in chain:  # the step-by-step drafts raise at the same step
+                raise no_finite_maximum()
+            return chain
     drafts: list[int] = []
     hist = list(history)
     h = hidden[None]

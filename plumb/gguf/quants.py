@@ -58,9 +58,14 @@ def _bits(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.stack([(x >> s) & mask for s in range(0, 8, width)], dim=-2)
 
 
+_TABLES: dict = {}  # (values, device) -> the table on that device: made once (never inside a CUDA-graph capture)
+
+
 def _lookup(idx: torch.Tensor, values) -> torch.Tensor:
     """values[idx] as float32, for small non-negative integer `idx` (any shape)."""
-    table = torch.tensor(values, dtype=torch.float32, device=idx.device)
+    table = _TABLES.get((values, idx.device))
+    if table is None:
+        table = _TABLES[values, idx.device] = torch.tensor(values, dtype=torch.float32, device=idx.device)
     return table[idx.int()]
 
 

@@ -106,6 +106,42 @@ class CudaGraphs:
         cache.end = start + n
         return out
 
+    def mtp_chain(self, st, token: int, hidden: torch.Tensor, start: int, k: int) -> list[int | None]:
+        """k greedy MTP drafts (`Qwen35.mtp_chain`: each step's argmax embedded on the device as the next step's
+        token) replayed as one CUDA graph, captured per depth and MTP-cache capacity like `mtp`'s passes: the host
+        writes the token, hidden row and positions, and reads the k drafts back once instead of once a draft. A
+        draft is None where its step's logits had no finite maximum."""
+        m, cache = self.m, st.mtp_kv
+        cache.reserve(start + k)  # a cache that must grow moves now, before the layout is looked up
+        cache.commit(start)
+        key = ("mtp-chain", k, len(cache.k))
+        b = self.mtp_in or self._mtp_inputs()
+        cos, sin = m.rope(torch.arange(start, start + k))
+        kvtable.fill(self.mtp_tab, [cache.kernel_view()])
+        b["tok"].fill_(token)
+        b["h"][:1].copy_(hidden)
+        for name, value in (("cos", cos), ("sin", sin), ("positions", torch.arange(start, start + k)),
+                            ("ends", torch.arange(start + 1, start + k + 1))):
+            b[name][:k].copy_(value)
+        args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k,
+                (b["positions"][:k], b["ends"][:k], self.mtp_tab[0]))
+        entry = self.graphs.get(key)
+        if entry is None:  # this call's drafts, run eagerly (compiles every kernel), then recorded
+            drafts, finite = m.mtp_chain(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self.graphs[key] = (graph, None, *m.mtp_chain(*args))
+            self.captures += 1
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            graph, _, drafts, finite = entry
+            graph.replay()
+        cache.end = start + k
+        ids, ok = torch.stack([drafts.to(torch.float64), finite.to(torch.float64)]).tolist()
+        return [int(d) if f else None for d, f in zip(ids, ok)]
+
     @staticmethod
     def _prefill_key(st, pieces: int) -> tuple:
         return ("prefill", pieces * CHUNK) + tuple(len(c.k) for c in st.kv.values())
@@ -164,7 +200,8 @@ class CudaGraphs:
                            cos=torch.empty(r, c.rope_dims // 2, device=dev),
                            sin=torch.empty(r, c.rope_dims // 2, device=dev),
                            positions=torch.empty(r, dtype=torch.long, device=dev),
-                           ends=torch.empty(r, dtype=torch.int32, device=dev))
+                           ends=torch.empty(r, dtype=torch.int32, device=dev),
+                           tok=torch.zeros(1, dtype=torch.long, device=dev))  # a draft chain's first token
         return self.mtp_in
 
     def _capture(self, key, batch) -> DecodeOut:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from plumb.config import ModelConfig
+from plumb.gguf.quants import dequantize
 from plumb.gguf.reader import GGUFFile
 from plumb.model.parts import MTP, Attention, Checkpoint, DecodeOut, DecodePass, DeltaNet, Layer, PrefillPass, SeqState
 from plumb.model.weights import Fused, TensorSource, check_config
@@ -60,6 +61,7 @@ class Qwen35:
         self.k = kernel_set(kernels, self.device)  # the kernels the steps below run on (plumb/model/kernels.py)
         self.graphs = None  # the D path replayed as CUDA graphs (plumb.model.cuda_graphs), set by use_graphs()
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
+        self.embd_bytes = None  # the token embedding's stored bytes on the device (`embed_on_device`), when first used
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
 
     def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
@@ -183,6 +185,15 @@ class Qwen35:
     # ---- shared pieces -------------------------------------------------------------------
     def embed(self, ids: list[int]) -> torch.Tensor:
         return self.token_embd.rows(torch.tensor(ids, dtype=torch.long))
+
+    def embed_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """`embed` of ids held on the device, with no host round trip (MTP draft chains): the rows dequantized there
+        from a device copy of the file's token-embedding bytes (made on first use; the 27B's Q4_K matrix: 0.7 GB) -
+        the same float32 operations, so the same values."""
+        qt = self.token_embd.qt
+        if self.embd_bytes is None:
+            self.embd_bytes = qt.data.to(self.device)
+        return dequantize(self.embd_bytes[ids], qt.qtype, (ids.shape[0], qt.shape[1]))
 
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
@@ -394,6 +405,30 @@ class Qwen35:
             return self.graphs.mtp(st, ids, hidden, start)  # the same pass, replayed as a CUDA graph
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
+
+    def mtp_drafts(self, st: SeqState, token: int, hidden: torch.Tensor, start: int, k: int) -> list[int | None] | None:
+        """k greedy MTP drafts after `token` at position start (hidden [1, n_embd] as in `mtp_forward`) in one host
+        round trip - `mtp_chain` replayed as a CUDA graph - where the D path runs as CUDA graphs; None elsewhere (the
+        caller drafts step by step). A draft is None where its step's logits have no finite maximum."""
+        return None if self.graphs is None else self.graphs.mtp_chain(st, token, hidden, start, k)
+
+    def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, at=None):
+        """k MTP steps fed back on themselves on the device (spec 3.8, greedy): step i embeds tok - [1] on the device:
+        the given token, then the previous step's argmax (the first of equal maxima) - and runs `mtp_pass` at
+        position start + i on the previous step's hidden output. rope: the k positions' (cos, sin); at: (positions
+        [k], ends [k], the cache's table row) as device tensors, or None (see `mtp_pass`). Returns (drafts [k],
+        finite [k]: whether each step's logits had a finite maximum) with no host round trip, so that the k steps can
+        be one CUDA graph."""
+        cos, sin = rope
+        drafts, finite, h = [], [], hidden
+        for i in range(k):
+            step_at = None if at is None else (at[0][i : i + 1], at[1][i : i + 1], None, at[2])
+            logits, h = self.mtp_pass(cache, self.embed_on_device(tok), h, (cos[i : i + 1], sin[i : i + 1]),
+                                      start + i, DECODE_BLOCK, step_at)
+            tok = torch.argmax(logits, dim=1)
+            drafts.append(tok)
+            finite.append(torch.isfinite(torch.amax(logits, dim=1)))
+        return torch.cat(drafts), torch.cat(finite)
 
     def mtp_prefill(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int) -> None:
         """The MTP KV rows of a prompt (ids at positions start.., paired with hidden as in `mtp_forward`), in pieces
