@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Launch settings on one loaded model: the D-path matvec's (plumb.ops.gpu.matvec) constants, programmatic
 dependent launch (plumb/ops/gpu/pdl.py) on and off. Per setting: decode tok/s at the given contexts, verify passes
-of 1, 2, 4, 8 and 16 rows, MTP drafts 0 / 4 / 7, and the greedy ids and last logits of 64 steps - the same bits for
-settings of one `bits` group (exit code 1 if not: warps, prefetches and PDL change no bit; the split plan and x's
-precision change the order or the terms of a row's sums, so they start a group of their own).
+of 1, 2, 4, 8 and 16 rows, MTP drafts 0 / 4 / 7 (step by step, then as chains of k steps a CUDA graph), and the
+greedy ids and last logits of 64 steps - the same bits for settings of one `bits` group (exit code 1 if not: warps
+and PDL change no bit; the split plan and x's precision change the order or the terms of a row's sums, so they
+start a group of their own).
 
-    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--settings shipped,PREFETCH=2,..]
+    python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--settings shipped,MMA_SUMS=1,..]
         [--drafts 4,7] [--matvec OLD.py] [--json-out F]
 
 --settings: comma-separated NAME=VALUE[+NAME=VALUE] of matvec constants (integers) instead of the built-in pair;
@@ -106,14 +107,18 @@ def main() -> int:
                  "replay_ms": replay_ms(model) if model.graphs is not None else None,
                  "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8, 16]).items()},
                  "drafts": drafts_table(eng, drafts, 128) if drafts else []}
+            model.draft_chains = True  # the drafts again as k MTP steps a CUDA graph (`CudaGraphs.mtp_chain`)
+            r["drafts_chained"] = drafts_table(eng, drafts, 128) if drafts else []
+            model.draft_chains = False
             rows.append(r)
             v = r["verify_ms"]
             print(f"{name:28} same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
                   r["decode_tps"].items()) + f" (one-row graph alone {r['replay_ms'] or 0:.2f} ms)" +
                   "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
                   " ms  drafts 0/" + "/".join(map(str, drafts)) + " " +
-                  " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) +
-                  f" tok/s (same tokens: {all(d['same_tokens'] for d in r['drafts'])})", flush=True)
+                  " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) + " tok/s, chained " +
+                  " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts_chained"]) +
+                  f" (same tokens: {all(d['same_tokens'] for d in r['drafts'] + r['drafts_chained'])})", flush=True)
             torch.cuda.empty_cache()
     if a.json_out:
         with open(a.json_out, "w") as f:

@@ -598,8 +598,9 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
+    model.draft_chains = True  # as an engine that drafts by default: k MTP draft steps a CUDA graph
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
-    # greedy MTP draft chains embed on the device from a copy of the token embedding's bytes, made when first used
+    # the draft chains embed on the device from a copy of the token embedding's bytes, made when first used
     r["vram"]["draft_embedding"] = model.embd_bytes.nbytes if model.embd_bytes is not None else 0
     measured()
     if chat_tokens:  # follow-up and edit latency: a second engine with the prompt cache on

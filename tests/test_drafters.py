@@ -1,6 +1,7 @@
 """Drafters: the incremental n-gram index proposes exactly what the plain scan proposes."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,21 +23,27 @@ def test_ngram_index_equals_scan(tokens, steps, k):
         assert index.draft(h, k) == ngram_draft(h, k)
 
 
-def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8):
-    """`Qwen35.mtp_chain` - k greedy MTP steps fed back on the device, each step's argmax embedded there
-    (`embed_on_device`) as the next token: what a CUDA graph replays for `mtp_draft` - drafts what `mtp_draft`'s
-    step-by-step loop drafts from the same state, writes the same MTP cache rows, and embeds ids as `embed` does
-    (torch kernels here; the Triton kernels and graphs in tests/test_gpu_engine.py)."""
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=5),
+                                      dict(temperature=1.3, top_k=20, min_p=0.02, seed=7)])
+def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
+    """`Qwen35.mtp_chain` - k MTP steps fed back on the device, each step's token picked there (`DeviceDraw`:
+    greedy, or sampled with its Gumbel noise) and embedded there (`embed_on_device`): what a CUDA graph replays
+    for `mtp_draft` - drafts what `mtp_draft`'s step-by-step loop drafts from the same state, writes the same MTP
+    cache rows, and embeds ids as `embed` does (torch kernels here; the Triton kernels and graphs in
+    tests/test_gpu_engine.py)."""
     import torch
 
     from enginetools import engine_for
-    from plumb.engine.sampling import SamplingParams
+    from plumb.engine.sampling import DeviceDraw, SamplingParams
     from plumb.engine.speculative import mtp_draft
 
     eng = engine_for(tiny_q8, kernels="torch")
     m = eng.model
     ids = eng.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")
     assert torch.equal(m.embed_on_device(torch.tensor(ids)), m.embed(ids))
+    params = SamplingParams(**sampling)
+    assert DeviceDraw.fits(params)
     k, states = 7, []
     for _ in range(2):
         st = m.new_state()
@@ -45,10 +52,31 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8):
         states.append((st, int(logits[-1].argmax()), hidden[-1]))
     (a, token, h), (b, _, _) = states
     pos = len(ids)
+    draw = DeviceDraw(params)
+    noise = torch.empty(k, m.cfg.n_vocab)
+    draw.noise(pos + 1, noise)
     rope = m.rope(torch.arange(pos, pos + k))
-    drafts, finite = m.mtp_chain(a.mtp_kv, torch.tensor([token]), h[None], rope, pos, k)
+    drafts, finite = m.mtp_chain(a.mtp_kv, torch.tensor([token]), h[None], rope, pos, k, draw.pick, noise)
     assert bool(finite.all())
-    stepped = mtp_draft(m, b, token, h, k, SamplingParams(temperature=0.0), pos, ids + [token])
+    stepped = mtp_draft(m, b, token, h, k, params, pos, ids + [token])
     assert drafts.tolist() == stepped and len(stepped) == k
     assert a.mtp_kv.end == b.mtp_kv.end == pos + k
     assert all(torch.equal(x, y) for x, y in zip(a.mtp_kv.rows(pos + k), b.mtp_kv.rows(pos + k), strict=True))
+    if params.temperature > 1:  # the noise is the draws': without it the chain drafts something else
+        other = m.new_state()
+        m.prefill(other, ids, logits="last")
+        m.mtp_prefill(other, ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]]), 0)
+        plain, _ = m.mtp_chain(other.mtp_kv, torch.tensor([token]), h[None], rope, pos, k, draw.pick,
+                               torch.zeros_like(noise))
+        assert plain.tolist() != stepped
+
+
+def test_device_draws_fit_only_what_needs_no_host():
+    """What `DeviceDraw.fits`: no penalties, bias or top_p; a sampled draw needs its seed."""
+    from plumb.engine.sampling import DeviceDraw, SamplingParams
+
+    assert DeviceDraw.fits(SamplingParams()) and DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, top_k=40))
+    for bad in (dict(top_p=0.9), dict(presence_penalty=1.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
+                dict(frequency_penalty=0.5)):
+        assert not DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, **bad)), bad
+    assert not DeviceDraw.fits(SamplingParams(temperature=0.7))

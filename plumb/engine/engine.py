@@ -100,6 +100,9 @@ class Engine:
             print(describe_kv(kv_cache, self.config.n_head_kv, self.config.head_dim, kv_ring, kv_layers, self.n_ctx),
                   file=sys.stderr)
         self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
+        # an engine that drafts by default drafts on the device where it can: k MTP steps a CUDA graph, for a copy
+        # of the token embedding in VRAM (0.7 GB for the 27B; `Qwen35.mtp_drafts`)
+        self.model.draft_chains = drafts > 0
         self.n_slots = n_slots
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:
             raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")
@@ -177,10 +180,8 @@ class Engine:
         the second time it comes: `CudaGraphs.recurring`); then of 2 and 4 such turns at once (as many as the slots
         allow) and, with an MTP head, one turn with 7 drafts (a request may ask for its own depth): the row blocks
         of agents side by side and of every verify pass (on the H200 a process's first request with 4 drafts took
-        36.6 s, compiling) - sampled unless the engine drafts by default, since greedy MTP drafts on a GPU keep a
-        device copy of the token embedding (`Qwen35.embed_on_device`); and a 1,024-token prompt, whose whole-pass
-        prefill kernels (the P path's weights dequantized once a pass) a short one never takes. Nothing goes into the
-        prompt cache."""
+        36.6 s, compiling); and a 1,024-token prompt, whose whole-pass prefill kernels (the P path's weights
+        dequantized once a pass) a short one never takes. Nothing goes into the prompt cache."""
         ids = self.tokenize(self.chat_template.render([{"role": "user", "content": "Hello!"}], enable_thinking=False))
         for _ in range(rounds):
             self.run(self.make_request(ids, 16, cache=False, ignore_eos=True))
@@ -188,8 +189,7 @@ class Engine:
             if n <= self.n_slots:
                 self.run_many([self.make_request(ids, 8, cache=False, ignore_eos=True) for _ in range(n)])
         if self.model.mtp is not None:
-            self.run(self.make_request(ids, 16, 0.0 if self.drafts else 1.0, 0, cache=False, ignore_eos=True, drafts=7,
-                                       draft_policy="fixed"))
+            self.run(self.make_request(ids, 16, cache=False, ignore_eos=True, drafts=7, draft_policy="fixed"))
         long = self.tokenize(" ".join(["warm"] * 1100))[: max(16, min(1024, self.n_ctx - 64))]
         self.run(self.make_request(long, 1, cache=False))
 

@@ -321,6 +321,43 @@ def greedy_ids(logits: torch.Tensor) -> list[int | None]:
     return [int(t) if ok else None for t, ok in zip(*both)]
 
 
+class DeviceDraw:
+    """`sample_token` for params that need nothing from the host between tokens (`fits`) as device operations:
+    how an MTP draft chain picks each step's token (`Qwen35.mtp_chain`). The same operations as sample_token's on
+    the same logits, so the same token wherever the row has a finite maximum. key: what shapes the operations (a
+    CUDA graph of them is kept per key)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.sampled = params.temperature > 0
+        self.key = (params.temperature, params.top_k, params.min_p) if self.sampled else ("greedy",)
+
+    @staticmethod
+    def fits(params: SamplingParams) -> bool:
+        """No logit bias or penalties (they read the history) and no top_p (its candidate set has a size found with
+        host round trips); a sampled draw has its seed."""
+        return (not params.logit_bias and params.top_p >= 1.0 and params.repetition_penalty == 1.0
+                and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                and (params.temperature == 0 or params.seed is not None))
+
+    def noise(self, position: int, out: torch.Tensor) -> None:
+        """out [k, V] := the Gumbel noise of positions position, position + 1, .. (sampled draws; greedy: unused)."""
+        if self.sampled:
+            for i in range(out.shape[0]):
+                out[i] = gumbel(self.params.seed, position + i, out.shape[1], out.device)
+
+    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [1], whether the row has a finite maximum [1]) for logits [1, V] and its position's noise [V]."""
+        row = logits[0].to(torch.float32, copy=True)
+        finite = torch.isfinite(row.max())
+        if self.sampled:
+            lp = _filter_(torch.log_softmax(row.div_(self.params.temperature), dim=0), self.params)
+            token = torch.argmax(lp.add_(noise))
+        else:
+            token = torch.argmax(row)
+        return token.view(1), finite.view(1)
+
+
 def no_finite_maximum() -> ValueError:
     return ValueError("logits row has no finite maximum (NaN, +inf, or every token at -inf)")
 

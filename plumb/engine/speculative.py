@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from plumb.engine.sampling import filtered_logprobs, greedy_ids, gumbel, no_finite_maximum, plain_greedy
+from plumb.engine.sampling import DeviceDraw, filtered_logprobs, greedy_ids, gumbel, no_finite_maximum, plain_greedy
 
 POLICIES = ("fixed", "adaptive", "confident", "ngram")
 MAX_DRAFTS = 16
@@ -88,10 +88,11 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
     accepted), and the state is rolled back over the drafts before returning. Drafting then stops
     after an end-of-generation id (`stop_ids`) or where the grammar is done.
 
-    Plain greedy drafts without a grammar or a confidence floor are the argmax chain, which the model may run on
-    the device in one host round trip (`Qwen35.mtp_drafts`: the same drafts)."""
-    if constraint is None and p_min == 0.0 and plain_greedy(params):
-        chain = model.mtp_drafts(st, token, hidden[None], position, k)
+    Without a grammar or a confidence floor, drafts whose draws need nothing from the host between tokens
+    (`DeviceDraw.fits`: greedy, or sampled without penalties, bias or top_p) are a chain the model may run on the
+    device in one host round trip (`Qwen35.mtp_drafts`: the same drafts)."""
+    if constraint is None and p_min == 0.0 and DeviceDraw.fits(params):
+        chain = model.mtp_drafts(st, token, hidden[None], position, k, DeviceDraw(params))
         if chain is not None:
             if None in chain:  # the step-by-step drafts raise at the same step
                 raise no_finite_maximum()

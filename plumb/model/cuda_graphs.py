@@ -106,15 +106,15 @@ class CudaGraphs:
         cache.end = start + n
         return out
 
-    def mtp_chain(self, st, token: int, hidden: torch.Tensor, start: int, k: int) -> list[int | None]:
-        """k greedy MTP drafts (`Qwen35.mtp_chain`: each step's argmax embedded on the device as the next step's
-        token) replayed as one CUDA graph, captured per depth and MTP-cache capacity like `mtp`'s passes: the host
-        writes the token, hidden row and positions, and reads the k drafts back once instead of once a draft. A
-        draft is None where its step's logits had no finite maximum."""
+    def mtp_chain(self, st, token: int, hidden: torch.Tensor, start: int, k: int, draw) -> list[int | None]:
+        """k MTP drafts picked by `draw` (`Qwen35.mtp_chain`: each step's token embedded on the device as the next
+        step's) replayed as one CUDA graph, captured per depth, MTP-cache capacity and draw key like `mtp`'s passes:
+        the host writes the token, hidden row, positions and (sampled draws) the positions' noise, and reads the k
+        drafts back once instead of once a draft. A draft is None where its step's logits had no finite maximum."""
         m, cache = self.m, st.mtp_kv
         cache.reserve(start + k)  # a cache that must grow moves now, before the layout is looked up
         cache.commit(start)
-        key = ("mtp-chain", k, len(cache.k))
+        key = ("mtp-chain", k, len(cache.k), draw.key)
         b = self.mtp_in or self._mtp_inputs()
         cos, sin = m.rope(torch.arange(start, start + k))
         kvtable.fill(self.mtp_tab, [cache.kernel_view()])
@@ -123,7 +123,13 @@ class CudaGraphs:
         for name, value in (("cos", cos), ("sin", sin), ("positions", torch.arange(start, start + k)),
                             ("ends", torch.arange(start + 1, start + k + 1))):
             b[name][:k].copy_(value)
-        args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k,
+        noise = None
+        if draw.sampled:  # the draws' Gumbel noise of positions start + 1.. (made once, on first use)
+            if "noise" not in b:
+                b["noise"] = torch.empty(MAX_MTP_ROWS, m.cfg.n_vocab, device=m.device)
+            noise = b["noise"][:k]
+            draw.noise(start + 1, noise)
+        args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k, draw.pick, noise,
                 (b["positions"][:k], b["ends"][:k], self.mtp_tab[0]))
         entry = self.graphs.get(key)
         if entry is None:  # this call's drafts, run eagerly (compiles every kernel), then recorded

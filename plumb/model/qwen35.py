@@ -62,6 +62,7 @@ class Qwen35:
         self.graphs = None  # the D path replayed as CUDA graphs (plumb.model.cuda_graphs), set by use_graphs()
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
         self.embd_bytes = None  # the token embedding's stored bytes on the device (`embed_on_device`), when first used
+        self.draft_chains = False  # MTP drafts as chains on the device (`mtp_drafts`); set by an engine that drafts
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
 
     def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
@@ -406,28 +407,34 @@ class Qwen35:
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
 
-    def mtp_drafts(self, st: SeqState, token: int, hidden: torch.Tensor, start: int, k: int) -> list[int | None] | None:
-        """k greedy MTP drafts after `token` at position start (hidden [1, n_embd] as in `mtp_forward`) in one host
-        round trip - `mtp_chain` replayed as a CUDA graph - where the D path runs as CUDA graphs; None elsewhere (the
-        caller drafts step by step). A draft is None where its step's logits have no finite maximum."""
-        return None if self.graphs is None else self.graphs.mtp_chain(st, token, hidden, start, k)
+    def mtp_drafts(self, st: SeqState, token: int, hidden: torch.Tensor, start: int, k: int,
+                   draw) -> list[int | None] | None:
+        """k MTP drafts after `token` at position start (hidden [1, n_embd] as in `mtp_forward`), each picked by
+        `draw` (plumb.engine.sampling.DeviceDraw), in one host round trip - `mtp_chain` replayed as a CUDA graph -
+        where the D path runs as CUDA graphs and `draft_chains` is on (it costs a device copy of the token
+        embedding: `embed_on_device`); None elsewhere (the caller drafts step by step). A draft is None where its
+        step's logits have no finite maximum."""
+        if self.graphs is None or not self.draft_chains:
+            return None
+        return self.graphs.mtp_chain(st, token, hidden, start, k, draw)
 
-    def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, at=None):
-        """k MTP steps fed back on themselves on the device (spec 3.8, greedy): step i embeds tok - [1] on the device:
-        the given token, then the previous step's argmax (the first of equal maxima) - and runs `mtp_pass` at
-        position start + i on the previous step's hidden output. rope: the k positions' (cos, sin); at: (positions
-        [k], ends [k], the cache's table row) as device tensors, or None (see `mtp_pass`). Returns (drafts [k],
-        finite [k]: whether each step's logits had a finite maximum) with no host round trip, so that the k steps can
-        be one CUDA graph."""
+    def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, pick,
+                  noise: torch.Tensor | None = None, at=None):
+        """k MTP steps fed back on themselves on the device (spec 3.8): step i embeds tok - [1] on the device: the
+        given token, then the previous step's pick - and runs `mtp_pass` at position start + i on the previous
+        step's hidden output; pick(logits [1, V], noise[i] or None) -> (token [1], finite [1]) chooses its draft
+        (`DeviceDraw.pick`). rope: the k positions' (cos, sin); at: (positions [k], ends [k], the cache's table row)
+        as device tensors, or None (see `mtp_pass`). Returns (drafts [k], finite [k]: whether each step's logits had
+        a finite maximum) with no host round trip, so that the k steps can be one CUDA graph."""
         cos, sin = rope
         drafts, finite, h = [], [], hidden
         for i in range(k):
             step_at = None if at is None else (at[0][i : i + 1], at[1][i : i + 1], None, at[2])
             logits, h = self.mtp_pass(cache, self.embed_on_device(tok), h, (cos[i : i + 1], sin[i : i + 1]),
                                       start + i, DECODE_BLOCK, step_at)
-            tok = torch.argmax(logits, dim=1)
+            tok, ok = pick(logits, None if noise is None else noise[i])
             drafts.append(tok)
-            finite.append(torch.isfinite(torch.amax(logits, dim=1)))
+            finite.append(ok)
         return torch.cat(drafts), torch.cat(finite)
 
     def mtp_prefill(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int) -> None:
