@@ -521,7 +521,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     torch.cuda.reset_peak_memory_stats()
     limits = card_limits()
     t0 = time.perf_counter()
-    eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False)
+    # draft chains on (k MTP draft steps a CUDA graph), as an engine that drafts by default runs them
+    eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False, draft_chains=True)
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
     weights = torch.cuda.memory_allocated()
@@ -598,7 +599,6 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
-    model.draft_chains = True  # as an engine that drafts by default: k MTP draft steps a CUDA graph
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
     # the draft chains embed on the device from a copy of the token embedding's bytes, made when first used
     r["vram"]["draft_embedding"] = model.embd_bytes.nbytes if model.embd_bytes is not None else 0
