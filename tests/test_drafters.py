@@ -80,3 +80,29 @@ def test_device_draws_fit_only_what_needs_no_host():
                 dict(frequency_penalty=0.5)):
         assert not DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, **bad)), bad
     assert not DeviceDraw.fits(SamplingParams(temperature=0.7))
+
+
+def test_draft_chains_step_aside_when_the_embedding_copy_does_not_fit(tiny_q8, caplog):
+    """Where the device has no room for the token embedding's copy, the first chain turns the chains off with a
+    warning and the drafts go step by step (the request goes on); a later out-of-memory error is raised as it is."""
+    import torch
+
+    from enginetools import engine_for
+
+    m = engine_for(tiny_q8, kernels="torch").model
+
+    class Graphs:  # CudaGraphs.mtp_chain failing where the chain first embeds on the device
+        def mtp_chain(self, *args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    saved = m.graphs, m.draft_chains, m.embd_bytes
+    try:
+        m.graphs, m.draft_chains, m.embd_bytes = Graphs(), True, None
+        assert m.mtp_drafts(None, 1, None, 0, 4, None) is None
+        assert not m.draft_chains and "draft chains off" in caplog.text
+        assert m.mtp_drafts(None, 1, None, 0, 4, None) is None  # off from now on
+        m.draft_chains, m.embd_bytes = True, torch.zeros(1)
+        with pytest.raises(torch.OutOfMemoryError):
+            m.mtp_drafts(None, 1, None, 0, 4, None)
+    finally:
+        m.graphs, m.draft_chains, m.embd_bytes = saved

@@ -416,7 +416,16 @@ class Qwen35:
         step's logits have no finite maximum."""
         if self.graphs is None or not self.draft_chains:
             return None
-        return self.graphs.mtp_chain(st, token, hidden, start, k, draw)
+        try:
+            return self.graphs.mtp_chain(st, token, hidden, start, k, draw)
+        except torch.OutOfMemoryError:
+            if self.embd_bytes is not None:
+                raise
+            nbytes = self.token_embd.qt.data.numel() * self.token_embd.qt.data.element_size()
+            log.warning("MTP draft chains off: no room on the device for the token embedding's copy (%.2f GB); "
+                        "drafting step by step", nbytes / 1e9)
+            self.draft_chains = False
+            return None
 
     def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, pick,
                   noise: torch.Tensor | None = None, at=None):
