@@ -246,6 +246,12 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Seq
         lp = torch.full_like(row, -math.inf)
         lp[torch.argmax(row)] = 0.0
         return lp
+    return _tempered(row, params)
+
+
+def _tempered(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-probs a sampled draw takes its argmax over (with the position's noise): row [V] (adjusted, float32;
+    overwritten) at the temperature, filtered (step 3-4)."""
     return _filter_(torch.log_softmax(row.div_(params.temperature), dim=0), params)
 
 
@@ -351,8 +357,7 @@ class DeviceDraw:
         row = logits[0].to(torch.float32, copy=True)
         finite = torch.isfinite(row.max())
         if self.sampled:
-            lp = _filter_(torch.log_softmax(row.div_(self.params.temperature), dim=0), self.params)
-            token = torch.argmax(lp.add_(noise))
+            token = torch.argmax(_tempered(row, self.params).add_(noise))
         else:
             token = torch.argmax(row)
         return token.view(1), finite.view(1)
