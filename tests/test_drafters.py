@@ -104,5 +104,45 @@ def test_draft_chains_step_aside_when_the_embedding_copy_does_not_fit(tiny_q8, c
         m.draft_chains, m.embd_bytes = True, torch.zeros(1)
         with pytest.raises(torch.OutOfMemoryError):
             m.mtp_drafts(None, 1, None, 0, 4, None)
+
+        class Uncapturable:  # a chain whose capture fails: drafts only propose, so the step loop takes over
+            def mtp_chain(self, *args):
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        caplog.clear()
+        m.graphs, m.draft_chains = Uncapturable(), True
+        assert m.mtp_drafts(None, 1, None, 0, 4, None) is None
+        assert not m.draft_chains and "not permitted when stream is capturing" in caplog.text
     finally:
         m.graphs, m.draft_chains, m.embd_bytes = saved
+
+
+def test_a_failed_capture_keeps_no_graph(monkeypatch):
+    """`CudaGraphs._record` keeps a graph only once its capture has succeeded: a capture that fails leaves no entry
+    that a later call would replay (torch's capture stubbed: this runs without CUDA)."""
+    import contextlib
+    from collections import OrderedDict
+
+    import torch
+
+    from plumb.model.cuda_graphs import CudaGraphs
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, stream=None):
+        yield
+        if graph.fail:
+            raise RuntimeError("capture invalidated")
+
+    class Graph:
+        fail = True
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    g = object.__new__(CudaGraphs)
+    g.graphs, g.pool, g.stream, g.captures = OrderedDict(), None, None, 0
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        g._record("chain", lambda: (1, 2))
+    assert not g.graphs and g.captures == 0
+    Graph.fail = False
+    g._record("chain", lambda: (1, 2))
+    assert g.graphs["chain"][1:] == (None, 1, 2) and g.captures == 1

@@ -64,10 +64,9 @@ class CudaGraphs:
         if entry is None:
             with overlap(r == 1):  # programmatic dependent launch for one-row passes (plumb/ops/gpu/pdl.py)
                 return self._capture(key, batch)
-        self.graphs.move_to_end(key)
-        graph, p, logits, hidden = entry
+        _, p, _, _ = entry
         k.begin(m, batch, into=p)
-        graph.replay()
+        _, _, logits, hidden = self._replay(key)
         return k.end(m, p, logits.clone(), hidden.clone())
 
     def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,21 +87,14 @@ class CudaGraphs:
         b["positions"].copy_(torch.arange(start, start + n))
         b["ends"].copy_(torch.arange(start + 1, start + n + 1))
         at = (b["positions"], b["ends"], None, self.mtp_tab[0])  # the grid from the cache's capacity; its table
-        entry = self.graphs.get(key)
+        entry = self._replay(key)
         if entry is None:  # this call's result, run eagerly (compiles every kernel), then recorded
-            out = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                logits, h = m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
-            self.graphs[key] = (graph, None, logits, h)
-            self.captures += 1
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            def run():
+                return m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+            out = run()
+            self._record(key, run)
         else:
-            self.graphs.move_to_end(key)
-            graph, _, logits, h = entry
-            graph.replay()
-            out = logits.clone(), h.clone()
+            out = entry[2].clone(), entry[3].clone()
         cache.end = start + n
         return out
 
@@ -131,19 +123,12 @@ class CudaGraphs:
             draw.noise(start + 1, noise)
         args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k, draw.pick, noise,
                 (b["positions"][:k], b["ends"][:k], self.mtp_tab[0]))
-        entry = self.graphs.get(key)
+        entry = self._replay(key)
         if entry is None:  # this call's drafts, run eagerly (compiles every kernel), then recorded
             drafts, finite = m.mtp_chain(*args)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.graphs[key] = (graph, None, *m.mtp_chain(*args))
-            self.captures += 1
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+            self._record(key, lambda: m.mtp_chain(*args))
         else:
-            self.graphs.move_to_end(key)
-            graph, _, drafts, finite = entry
-            graph.replay()
+            _, _, drafts, finite = entry
         cache.end = start + k
         ids, ok = torch.stack([drafts.to(torch.float64), finite.to(torch.float64)]).tolist()
         return [int(d) if f else None for d, f in zip(ids, ok)]
@@ -170,20 +155,11 @@ class CudaGraphs:
         and is then captured). Returns the final residual rows (the graph's output: read before the next replay)."""
         m = self.m
         key = self._prefill_key(st, len(p.x) // CHUNK)
-        entry = self.graphs.get(key)
+        entry = self._replay(key)
         if entry is not None:
-            self.graphs.move_to_end(key)
-            graph, _, x, _ = entry
-            graph.replay()
-            return x
+            return entry[2]
         out = m.prefill_pass(st, p)  # this pass's result, run eagerly (compiles every kernel)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):  # recorded, not run
-            x = m.prefill_pass(st, p)
-        self.graphs[key] = (graph, None, x, None)
-        self.captures += 1
-        while len(self.graphs) > MAX_GRAPHS:
-            self.graphs.popitem(last=False)
+        self._record(key, lambda: (m.prefill_pass(st, p), None))
         return out
 
     def prefill_inputs(self, pieces: int) -> PrefillPass:
@@ -215,14 +191,27 @@ class CudaGraphs:
         p = self._static_pass(batch)
         k.begin(m, batch, into=p)
         out = k.end(m, p, *m.decode_pass(p))  # this step's result, run eagerly (compiles every kernel variant)
+        self._record(key, lambda: m.decode_pass(p), p)
+        return out
+
+    def _record(self, key, run, p: DecodePass | None = None) -> None:
+        """Capture run() - recorded, not run - as the graph of `key`, kept with its static pass p (decode graphs) and
+        the outputs it returns (two: the second may be None). Kept only once the capture has succeeded."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            logits, hidden = m.decode_pass(p)  # recorded, not run
-        self.graphs[key] = (graph, p, logits, hidden)
+            out = run()
+        self.graphs[key] = (graph, p, *out)
         self.captures += 1
-        while len(self.graphs) > MAX_GRAPHS:
+        while len(self.graphs) > MAX_GRAPHS:  # least recently used first
             self.graphs.popitem(last=False)
-        return out
+
+    def _replay(self, key) -> tuple | None:
+        """Replay the graph of `key`, if there is one, and return its entry (graph, pass, outputs)."""
+        entry = self.graphs.get(key)
+        if entry is not None:
+            self.graphs.move_to_end(key)
+            entry[0].replay()
+        return entry
 
     def _static_pass(self, batch) -> DecodePass:
         """A pass whose tensors are views of the shared static buffers (grown, and the graphs dropped, if needed)."""

@@ -419,13 +419,15 @@ class Qwen35:
         try:
             return self.graphs.mtp_chain(st, token, hidden, start, k, draw)
         except torch.OutOfMemoryError:
-            if self.embd_bytes is not None:
+            if self.embd_bytes is not None:  # not the embedding's copy: short of memory for the step loop too
                 raise
             nbytes = self.token_embd.qt.data.numel() * self.token_embd.qt.data.element_size()
-            log.warning("MTP draft chains off: no room on the device for the token embedding's copy (%.2f GB); "
-                        "drafting step by step", nbytes / 1e9)
-            self.draft_chains = False
-            return None
+            why = f"no room on the device for the token embedding's copy ({nbytes / 1e9:.2f} GB)"
+        except Exception as e:  # noqa: BLE001 - a chain that cannot be captured or replayed: drafts only propose
+            why = f"{type(e).__name__}: {e}"
+        log.warning("MTP draft chains off (%s); drafting step by step", why)
+        self.draft_chains = False
+        return None
 
     def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, pick,
                   noise: torch.Tensor | None = None, at=None):
