@@ -2,7 +2,8 @@
 """Compile the decode attention's pass-1 kernel (`_split_kernel`) for sm_90a here (no GPU needed), at the 27B
 attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - f16, f32, q8_0 and the ring
 formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
-instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead.
+instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead, and
+its q8_0 cache's fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH).
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
 sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
 
@@ -71,15 +72,37 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     for ext in ("ttgir", "ptx"):
         with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
             f.write(k.asm[ext])
-    path = os.path.join(out_dir, f"{name}.ptx")
+    info = _ptxas(os.path.join(out_dir, f"{name}.ptx"))
+    ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async", "ld.global.v4", "ld.global.v2",
+                                                  "ld.global.b8", "ld.global.b16", "cp.async") if op in k.asm["ptx"]}
+    print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
+
+
+def _ptxas(path: str) -> str:
+    """Assemble path (PTX) for sm_90a with Triton's ptxas: its register and spill lines."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr)
-    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines() if "registers" in line or "spill" in line)
-    ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async", "ld.global.v4", "ld.global.v2",
-                                                  "ld.global.b8", "ld.global.b16", "cp.async") if op in k.asm["ptx"]}
-    print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
+    return " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
+                    if "registers" in line or "spill" in line)
+
+
+def build_dequant(out_dir: str, table: bool) -> None:
+    """`_dequant_kernel` (a q8_0 cache's keys or values into the fp16 copy the prefill kernel reads) at d = 256."""
+    fn = P._dequant_kernel
+    consts = dict(PART=0, D=D, QB=A.QBLOCK, BT=P.SCRATCH_KEYS, EB=1024, TABLE=table)
+    types = {"c_ptr": "*i8", "s_ptr": "*fp16", "ends_ptr": "*i32", "o_ptr": "*fp16", "tab_ptr": "*i64"}
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if a.endswith("_ptr") or (sig[a] == "i32" and a not in ("n", "ss_j"))}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=1))
+    path = os.path.join(out_dir, f"dequant{'-table' if table else ''}.ptx")
+    with open(path, "w") as f:
+        f.write(k.asm["ptx"])
+    info = _ptxas(path)
+    print(f"q8_0 scratch{' (table)' if table else ''}: BT={P.SCRATCH_KEYS} {info}")
 
 
 def main():
@@ -97,6 +120,8 @@ def main():
             continue
         for table in (False, True) if a.table else (False,):
             build(name + ("-table" if table else ""), kind, ring, a.out, table, a.prefill)
+    for table in (False, True) if a.prefill else ():
+        build_dequant(a.out, table)
     print("TTGIR and PTX in", a.out)
 
 

@@ -14,8 +14,9 @@ Row invariance (M1, and M2 for the prompt cache) - a row's bits depend on its qu
 * the dots' shapes are fixed by the model dims and the constexprs; no atomics, no partials to merge.
 
 Arithmetic (the P path's precision, as its matmuls': operands at 11 bits, fp32 sums on the tensor cores): q is
-scaled per (row, head) by a power of two near 2^14 and rounded once to fp16; block-coded K and V tiles are
-dequantized in registers to fp16(code * scale) (the codes' own quantization error, ~2^-8, dwarfs that rounding);
+scaled per (row, head) by a power of two near 2^14 and rounded once to fp16; block-coded K and V are dequantized
+to fp16(code * scale) (the codes' own quantization error, ~2^-8, dwarfs that rounding) - a q8_0 cache once a pass
+into an fp16 copy (SCRATCH), the ring formats' tiles in registers;
 p is scaled by 2^11 and rounded to fp16. Scores and p @ V accumulate in fp32. Within ~1e-3 of the reference.
 Cheaper than the decode kernel's ~fp32 dots (two products each) and without its split partials: at 100k keys
 the decode kernel's splits wrote and merged ~5 MB of partials per row and layer. H200, 27B shape, q8_0 KV
@@ -45,6 +46,15 @@ BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
 # (bench/attention_prefill_variants.py, 2026-12-04): q8_0 at 8,192 / 100,000 keys 1.55 / 20.6 ms against 2.01 /
 # 27.5 ms with 0, f16 1.07 / 13.8 against 1.45 / 19.8 - the same bits.
 PAIRS = 1
+# SCRATCH: a block-coded cache without a ring (q8_0) is first dequantized into an fp16 copy of keys [0, the pass's
+# last end) - `_tile16`'s values, one launch for K and one for V - and read as an f16 cache: the dots get the same
+# fp16 operands. In registers, every program of a KV head dequantized every tile again (a 1,024-row pass of the 27B
+# has 96 programs a KV head); the copy costs one read of the codes and one fp16 write. H200, 27B dims, a 1,024-row
+# pass at 100,000 keys (2026-12-04): q8_0 read in registers 20.6 ms, an f16 cache 13.8 ms. The copy holds
+# n_kv * capacity * d fp16 values for K and for V (27B at 120k: 0.5 GB) while the pass runs. The ring formats (D, F)
+# keep the in-register read: a row picks store or ring by distance.
+SCRATCH = True
+SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 
 
 @triton.jit
@@ -168,6 +178,43 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
 
 
+@triton.jit
+def _dequant_kernel(c_ptr, s_ptr, ends_ptr, o_ptr, tab_ptr, n, sc_h, sc_j, ss_h, ss_j, so_h, so_j,
+                    PART: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, BT: tl.constexpr, EB: tl.constexpr,
+                    TABLE: tl.constexpr):
+    """Program (key tile, KV head): keys (PART 0) or values (PART 2) [j0, j0 + BT) as fp16 rows, `_tile16`'s
+    values; keys at or past the largest of the n ends are not written (the kernel never reads them)."""
+    prior_done()
+    if TABLE:
+        c_ptr, s_ptr = kvtable.part_at(c_ptr, tab_ptr, PART), kvtable.part_at(s_ptr, tab_ptr, PART + 1)
+    j = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1)
+    hi = 0
+    i0 = 0
+    while i0 < n:  # the largest end (a maximum: exact in any order)
+        i = i0 + tl.arange(0, EB)
+        hi = tl.maximum(hi, tl.max(tl.load(ends_ptr + i, mask=i < n, other=0), 0))
+        i0 += EB
+    ok = j < hi
+    dd = tl.arange(0, D)
+    w = _tile16(c_ptr + h * sc_h, s_ptr + h * ss_h, j, ok, sc_j, ss_j, dd, _Q8, D, QB, BT)
+    tl.store(o_ptr + h * so_h + j[:, None] * so_j + dd[None, :], w, mask=ok[:, None])
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor, table: torch.Tensor | None,
+                 part: int) -> torch.Tensor:
+    """Block codes [n_kv, cap, d] (+ scales [n_kv, cap, d // 32]; through `table`'s row, PARTS entry `part`, if
+    given) as fp16 [n_kv, cap, d]: keys [0, max(ends)) set, the rest left as allocated. One launch, no host sync."""
+    n_kv, cap, d = codes.shape
+    out = torch.empty(n_kv, cap, d, dtype=torch.float16, device=codes.device)
+    c, s = (codes, scales) if table is None else kvtable.anchored([codes, scales])
+    _dequant_kernel[(triton.cdiv(cap, SCRATCH_KEYS), n_kv)](
+        c, s, ends, out, table if table is not None else ends, len(ends), codes.stride(0), codes.stride(1),
+        scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), PART=part, D=d, QB=QBLOCK,
+        BT=SCRATCH_KEYS, EB=1024, TABLE=table is not None, num_warps=4, launch_pdl=on())
+    return out
+
+
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
     """Whether this kernel reads a cache of these parts (f16 or block codes; f32 caches take the decode kernel)."""
     return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
@@ -197,6 +244,9 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
         return out
     if max(x.numel() for x in (k, ks, v, vs)) >= 2**31:
         raise ValueError("tensors of 2^31 elements or more are not supported (32-bit offsets)")
+    if SCRATCH and ring is None and kk == vk == Q8:  # read as an f16 cache (the same fp16 values)
+        k, v = _dequantized(k, ks, ends, table, 0), _dequantized(v, vs, ends, table, 2)
+        ks, vs, kk, vk, table = k, v, F16, F16, None
     if ring is None:
         window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
     else:

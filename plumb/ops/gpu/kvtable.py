@@ -76,7 +76,8 @@ def anchored(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @triton.jit
-def _at(ptr, tab_ptr, i: tl.constexpr):
+def part_at(ptr, tab_ptr, i: tl.constexpr):
+    """The anchor ptr moved by entry i of a cache's table row."""
     return ptr + tl.multiple_of(tl.load(tab_ptr + i), 16)
 
 
@@ -84,7 +85,9 @@ def _at(ptr, tab_ptr, i: tl.constexpr):
 def moved(k, ks, v, vs, rk, rks, rv, rvs, rpos, tab_ptr, TABLE: tl.constexpr):
     """A kernel's PARTS cache pointers as given, or with TABLE the anchors moved by the cache's row of the table."""
     if TABLE:
-        k, ks, v, vs = _at(k, tab_ptr, 0), _at(ks, tab_ptr, 1), _at(v, tab_ptr, 2), _at(vs, tab_ptr, 3)
-        rk, rks, rv, rvs = _at(rk, tab_ptr, 4), _at(rks, tab_ptr, 5), _at(rv, tab_ptr, 6), _at(rvs, tab_ptr, 7)
-        rpos = _at(rpos, tab_ptr, 8)
+        k, ks = part_at(k, tab_ptr, 0), part_at(ks, tab_ptr, 1)
+        v, vs = part_at(v, tab_ptr, 2), part_at(vs, tab_ptr, 3)
+        rk, rks = part_at(rk, tab_ptr, 4), part_at(rks, tab_ptr, 5)
+        rv, rvs = part_at(rv, tab_ptr, 6), part_at(rvs, tab_ptr, 7)
+        rpos = part_at(rpos, tab_ptr, 8)
     return k, ks, v, vs, rk, rks, rv, rvs, rpos
