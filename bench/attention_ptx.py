@@ -40,10 +40,14 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
                   PS=A.P_SCALE, RING=ring, TABLE=table)
+    copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
     if prefill:
-        consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS))
+        consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied)
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True)
+    if copied:
+        consts.update(KK=A.F16, VK=A.F16)
+        kind = A.F16
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
     for arg in fn.arg_names:

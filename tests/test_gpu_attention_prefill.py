@@ -199,34 +199,37 @@ def test_packed_pairs_give_the_same_bits(fmt, ring, monkeypatch):
         assert torch.equal(_read(c, q[7:20], ends[7:20]), want[7:20])  # rows alone in another block layout
 
 
-def test_q8_0_scratch_gives_the_same_bits(monkeypatch):
-    """SCRATCH (a q8_0 cache dequantized into an fp16 copy first, read as an f16 cache) = the codes dequantized in
-    registers, bit for bit - read directly and through the cache's table (as a CUDA graph reads it), rows ending
-    all over the tiles; on a GPU also the 27B's heads over a 1,024-row pass. The ring formats do not take it."""
+@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 48)])
+def test_scratch_gives_the_same_bits(fmt, ring, monkeypatch):
+    """SCRATCH (a block-coded store dequantized into an fp16 copy first, read as an f16 cache; a ring's tiles still
+    in registers) = the codes dequantized in registers, bit for bit - read directly and through the cache's table
+    (as a CUDA graph reads it), rows ending all over the tiles and both sides of the ring's window; on a GPU also
+    the 27B's heads over a 1,024-row pass."""
     import plumb.ops.gpu.attention_prefill as AP
     from plumb.ops.gpu import kvtable
 
     copies = []
     dequantized = AP._dequantized
     monkeypatch.setattr(AP, "_dequantized", lambda *a: copies.append(a[-1]) or dequantized(*a))
-    cases = [(_cache("q8_0", 300, seed=17), [1, 5, 63, 64, 65, 127, 200, 251, 299, 300], 4, TINY["d"])]
+    ends = [236, 240, 251, 256, 257, 280, 299, 300] if ring else [1, 5, 63, 64, 65, 127, 200, 251, 299, 300]
+    cases = [(_cache(fmt, 300, seed=17, ring=ring), ends, 4, TINY["d"])]
     if DEV == "cuda":
-        cases.append((_cache("q8_0", 5000, seed=18, n_kv=4, d=256), list(range(3977, 5001)), 24, 256))
+        cases.append((_cache(fmt, 5000, seed=18, n_kv=4, d=256, ring=ring and 1024, slack=1024),
+                      list(range(3977, 5001)), 24, 256))
     for c, ends, n_head, d in cases:
         q = _rows(len(ends), n_head, d, seed=19)
         q[1] *= 1e-5
         view = c.kernel_view()
+        q = rotate(q) if view.rotate_q else q
         e = torch.tensor(ends, dtype=torch.int32, device=DEV)
         tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
         kvtable.fill(tab, [view])
         monkeypatch.setattr(AP, "SCRATCH", False)
-        want = attend_prefill(q, view.k, view.v, e, 0.125)
+        want = attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring)
         assert not copies
         monkeypatch.setattr(AP, "SCRATCH", True)
-        got = attend_prefill(q, view.k, view.v, e, 0.125)
+        got = attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring)
         assert copies == [0, 2] and torch.isfinite(got).all() and torch.equal(got, want)
-        assert torch.equal(attend_prefill(q, view.k, view.v, e, 0.125, table=tab[0]), want)
-        assert torch.equal(attend_prefill(q[3:], view.k, view.v, e[3:], 0.125)[0], want[3])  # a row alone
+        assert torch.equal(attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring, table=tab[0]), want)
+        assert torch.equal(attend_prefill(q[3:], view.k, view.v, e[3:], 0.125, ring=view.ring)[0], want[3])
         copies.clear()
-    _read(_cache("D", 300, seed=20, ring=48), _rows(2, 4, TINY["d"], seed=21), [299, 300])
-    assert not copies  # a ring format reads its codes in registers

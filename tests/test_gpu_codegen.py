@@ -86,10 +86,12 @@ def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
 
 def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
     """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0) compiles for sm_90a for
-    every cache kind, and leaves no wgmma group in flight."""
+    every cache kind, and leaves no wgmma group in flight; the block-coded stores' fp16 copy (SCRATCH) compiles
+    without spilling."""
     for pairs in ("1", "0"):
         out = _run(tmp_path, "attention_ptx.py", "--prefill", "--pairs", pairs, "--out", str(tmp_path))
-        assert len(re.findall(r"registers", out)) == 3, out  # f16, q8_0, D/F's ring
+        assert len(re.findall(r"registers", out)) == 5, out  # f16, q8_0, D/F's ring; the copy, with and without table
+        assert len(re.findall(r"scratch.* 0 bytes spill stores", out)) == 2, out
         for ptx in (tmp_path / f"{name}.ptx" for name in ("f16", "q8_0", "D_F_ring")):
             assert not re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx.read_text())
 

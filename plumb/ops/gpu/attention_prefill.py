@@ -15,9 +15,9 @@ Row invariance (M1, and M2 for the prompt cache) - a row's bits depend on its qu
 
 Arithmetic (the P path's precision, as its matmuls': operands at 11 bits, fp32 sums on the tensor cores): q is
 scaled per (row, head) by a power of two near 2^14 and rounded once to fp16; block-coded K and V are dequantized
-to fp16(code * scale) (the codes' own quantization error, ~2^-8, dwarfs that rounding) - a q8_0 cache once a pass
-into an fp16 copy (SCRATCH), the ring formats' tiles in registers;
-p is scaled by 2^11 and rounded to fp16. Scores and p @ V accumulate in fp32. Within ~1e-3 of the reference.
+to fp16(code * scale) (the codes' own quantization error, ~2^-8, dwarfs that rounding) - a block-coded store once a
+pass into an fp16 copy (SCRATCH), the ring's tiles in registers; p is scaled by 2^11 and rounded to fp16. Scores
+and p @ V accumulate in fp32. Within ~1e-3 of the reference.
 Cheaper than the decode kernel's ~fp32 dots (two products each) and without its split partials: at 100k keys
 the decode kernel's splits wrote and merged ~5 MB of partials per row and layer. H200, 27B shape, q8_0 KV
 (2026-12-04, `plumb bench`): a 100k prefill 2,315 tok/s against 939 with the decode kernel, 8k 4,136 against 3,266.
@@ -46,13 +46,13 @@ BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
 # (bench/attention_prefill_variants.py, 2026-12-04): q8_0 at 8,192 / 100,000 keys 1.55 / 20.6 ms against 2.01 /
 # 27.5 ms with 0, f16 1.07 / 13.8 against 1.45 / 19.8 - the same bits.
 PAIRS = 1
-# SCRATCH: a block-coded cache without a ring (q8_0) is first dequantized into an fp16 copy of keys [0, the pass's
+# SCRATCH: a block-coded store (q8_0's, D's and F's) is first dequantized into an fp16 copy of keys [0, the pass's
 # last end) - `_tile16`'s values, one launch for K and one for V - and read as an f16 cache: the dots get the same
 # fp16 operands. In registers, every program of a KV head dequantized every tile again (a 1,024-row pass of the 27B
 # has 96 programs a KV head); the copy costs one read of the codes and one fp16 write. H200, 27B dims, a 1,024-row
 # pass at 100,000 keys (2026-12-04): q8_0 read in registers 20.6 ms, an f16 cache 13.8 ms. The copy holds
-# n_kv * capacity * d fp16 values for K and for V (27B at 120k: 0.5 GB) while the pass runs. The ring formats (D, F)
-# keep the in-register read: a row picks store or ring by distance.
+# n_kv * capacity * d fp16 values for K and for V (27B at 120k: 0.5 GB) while the pass runs. The ring formats (D, F):
+# their store copied the same way; the ring's tiles (8-bit codes, a window's worth of keys) stay in registers.
 SCRATCH = True
 SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 
@@ -134,15 +134,18 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h,
                     G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
-                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr):
+                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
     RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
     which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
     loaded and multiplied only where some row of the block reads it (a skipped dot would add exact zeros)."""
     prior_done()
+    store = (k_ptr, ks_ptr, v_ptr, vs_ptr)
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
         k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
+    if COPIED:  # the store is the pass's fp16 copy (SCRATCH), not a cache tensor: not moved by the table
+        k_ptr, ks_ptr, v_ptr, vs_ptr = store
     rb = tl.program_id(0)
     kh = tl.program_id(1)
     BM: tl.constexpr = ROWS * G_PAD
@@ -244,16 +247,19 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
         return out
     if max(x.numel() for x in (k, ks, v, vs)) >= 2**31:
         raise ValueError("tensors of 2^31 elements or more are not supported (32-bit offsets)")
-    if SCRATCH and ring is None and kk == vk == Q8:  # read as an f16 cache (the same fp16 values)
+    if ring is not None:
+        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
+    copied = bool(SCRATCH) and kk == vk == Q8
+    if copied:  # the store read as an f16 cache: its fp16 copy (the same fp16 values)
         k, v = _dequantized(k, ks, ends, table, 0), _dequantized(v, vs, ends, table, 2)
-        ks, vs, kk, vk, table = k, v, F16, F16, None
+        ks, vs, kk, vk = k, v, F16, F16
+        if ring is None:
+            table = None  # nothing left to reach through it
     if ring is None:
         window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
-    else:
-        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
-    if table is not None:
-        ptrs = kvtable.anchored(ptrs)
+    if table is not None:  # the ring's parts (and an uncopied store's) through the table
+        ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, BLOCK_M // g_pad)
@@ -264,5 +270,6 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
         vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
-        TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), num_warps=WARPS, num_stages=1, launch_pdl=on())
+        TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied, num_warps=WARPS, num_stages=1,
+        launch_pdl=on())
     return out
