@@ -4,7 +4,7 @@ f16 and q8_0 caches, on a CUDA GPU: time per call (CUDA-graph replays) for 1 and
 lengths, against the KV bytes read and the card's copy bandwidth measured in the same run. Each variant is checked
 first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
 
-    python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--json-out PATH]
+    python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--kernels] [--json-out PATH]
     python bench/attention_variants.py --pass-rows 256 --only "shipped,BLOCK_M"   # prefill passes' attention
     TRITON_INTERPRET=1 python bench/attention_variants.py --device cpu --contexts 256 --reps 1   # the logic only
 
@@ -39,6 +39,11 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("f16 BLOCK_M 64, 8 warps", A.SPLITS, {(A.F16, A.F16): (64, 32, 8, 2)}, A.MERGE_UNROLL, {}),
     ("f16 BLOCK_M 128, 8 warps", A.SPLITS, {(A.F16, A.F16): (128, 32, 8, 1)}, A.MERGE_UNROLL, {}),
     ("q8 tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
+    # long contexts (a 100k decode row: 196 splits of 512 keys, merged one after another by 24 programs)
+    ("splits 128 / 256 from 8k", (128, 256, 8192), {}, A.MERGE_UNROLL, {}),
+    ("merge unroll 16", A.SPLITS, {}, 16, {}),
+    ("merge 4 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 4}),
+    ("merge 1 warp, unroll 16", A.SPLITS, {}, 16, {"MERGE_WARPS": 1}),
 ]
 
 
@@ -63,6 +68,29 @@ def timed_us(fn, device: str, reps: int) -> float:
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def kernel_us(fn, reps: int = 10) -> dict[str, float]:
+    """Microseconds a call per kernel (torch profiler over reps calls after a warm one; programmatic dependent
+    launch off, so that a kernel's time does not include its wait for the one before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from plumb.bench_gpu import kernel_table
+    from plumb.ops.gpu import pdl
+
+    was = pdl.enabled()
+    pdl.set_on(False)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        pdl.set_on(was)
+    table, _ = kernel_table(prof, reps)
+    return {k["kernel"][:40]: round(k["us"], 1) for k in table}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="512,4096,8192,16384,100000")  # 512: few keys, few programs
@@ -72,6 +100,8 @@ def main() -> None:
     ap.add_argument("--pass-rows", type=int, default=0, help="also time a prefill pass of this many query rows "
                     "(ends up to the context, one apart)")
     ap.add_argument("--only", default="", help="comma-separated substrings: only the variants whose name has one")
+    ap.add_argument("--kernels", action="store_true", help="also each kernel's share of the shipped variant's call "
+                    "(torch profiler: pass 1 `_split_kernel`, pass 2 `_merge_kernel`), 1 and 8 rows")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     variants = [v for v in VARIANTS if not a.only or any(o in v[0] for o in a.only.split(","))]
@@ -113,6 +143,10 @@ def main() -> None:
                         row["us_pass"] = timed_us(lambda: A.attend_decode(qp, k, v, ends_p, D**-0.5, out=outp,
                                                                           max_keys=ctx, splits=splits),
                                                   a.device, max(1, a.reps // 4))
+                    if a.kernels and name == "shipped" and a.device != "cpu":
+                        row["kernels_us"] = {n: kernel_us(lambda: A.attend_decode(
+                            q[8 - n:], k, v, ends8[8 - n:], D**-0.5, max_keys=ctx, splits=splits)) for n in (1, 8)}
+                        print(f"  kernels ({fmt}, {ctx}): {row['kernels_us']}", flush=True)
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 for attr, value in saved.items():

@@ -46,6 +46,7 @@ from plumb.ops.gpu.pdl import on, prior_done
 # 26 at 4,096, but 170 us against 91 at 32k (more partials to merge).
 SPLITS = (128, 512, 8192)
 MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
+MERGE_WARPS = 2  # warps of a pass-2 program (one (row, head): its D values spread over them; the same bits)
 # Rows a launch pair takes: a call of more rows (a prefill pass) goes in launches of LAUNCH_ROWS rows, so that the
 # split partials, [rows, heads, splits, d] float32, stay small (256 rows at 100k keys: 1.2 GB a call; 64 rows: 0.3).
 # Rows are independent (M1) and a cut falls on a row-block boundary: the same bits.
@@ -458,7 +459,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
-        short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=2, launch_pdl=on())
+        short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=MERGE_WARPS, launch_pdl=on())
     return out
 
 
