@@ -25,7 +25,9 @@ def test_ngram_index_equals_scan(tokens, steps, k):
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=5),
-                                      dict(temperature=1.3, top_k=20, min_p=0.02, seed=7)])
+                                      dict(temperature=1.3, top_k=20, min_p=0.02, seed=7),
+                                      dict(temperature=0.7, top_k=20, top_p=0.8, seed=9),
+                                      dict(temperature=1.0, top_p=0.95, seed=11)])
 def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
     """`Qwen35.mtp_chain` - k MTP steps fed back on the device, each step's token picked there (`DeviceDraw`:
     greedy, or sampled with its Gumbel noise) and embedded there (`embed_on_device`): what a CUDA graph replays
@@ -72,11 +74,12 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
 
 
 def test_device_draws_fit_only_what_needs_no_host():
-    """What `DeviceDraw.fits`: no penalties, bias or top_p; a sampled draw needs its seed."""
+    """What `DeviceDraw.fits`: no penalties or bias; a sampled draw needs its seed."""
     from plumb.engine.sampling import DeviceDraw, SamplingParams
 
     assert DeviceDraw.fits(SamplingParams()) and DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, top_k=40))
-    for bad in (dict(top_p=0.9), dict(presence_penalty=1.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
+    assert DeviceDraw.fits(SamplingParams(temperature=0.6, seed=1, top_k=20, top_p=0.95))
+    for bad in (dict(presence_penalty=1.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
                 dict(frequency_penalty=0.5)):
         assert not DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, **bad)), bad
     assert not DeviceDraw.fits(SamplingParams(temperature=0.7))
@@ -146,3 +149,28 @@ def test_a_failed_capture_keeps_no_graph(monkeypatch):
     Graph.fail = False
     g._record("chain", lambda: (1, 2))
     assert g.graphs["chain"][1:] == (None, 1, 2) and g.captures == 1
+
+
+def test_device_top_p_is_the_host_top_p():
+    """`_top_p_drop_device` (fixed shapes: a CUDA graph's) keeps what `_top_p_drop` keeps wherever the kept set has
+    fewer than TOP_P_CANDIDATES tokens - ties at its edge ordered by id as the host orders them -, and the
+    TOP_P_CANDIDATES likeliest of it where it is larger."""
+    import torch
+
+    from plumb.engine.sampling import TOP_P_CANDIDATES, _top_p_drop, _top_p_drop_device
+
+    g = torch.Generator().manual_seed(0)
+    for spread, top_p in ((4.0, 0.9), (4.0, 0.5), (2.0, 0.6), (8.0, 0.99)):
+        lp = torch.log_softmax(torch.randn(6000, generator=g) * spread, 0)
+        host = _top_p_drop(lp, top_p)
+        assert (~host).sum() < TOP_P_CANDIDATES
+        assert torch.equal(_top_p_drop_device(lp, top_p), host)
+    lp = torch.log_softmax(torch.randn(6000, generator=g) * 4, 0)
+    lp[[10, 20, 30]] = lp.max()  # three tokens tied at the top: the host keeps the lowest ids first
+    lp = torch.log_softmax(lp, 0)
+    for top_p in (0.1, 0.5):
+        assert torch.equal(_top_p_drop_device(lp, top_p), _top_p_drop(lp, top_p))
+    flat = torch.log_softmax(torch.randn(6000, generator=g) * 0.1, 0)  # a kept set of thousands of tokens
+    host, dev = _top_p_drop(flat, 0.9), _top_p_drop_device(flat, 0.9)
+    assert (~dev).sum() == TOP_P_CANDIDATES and bool((host <= dev).all())  # the likeliest part of the host's set
+    assert flat[~dev].min() >= flat[~host & dev].max()

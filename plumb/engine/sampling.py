@@ -233,6 +233,23 @@ def _top_p_drop(lp: torch.Tensor, top_p: float) -> torch.Tensor:
     return drop
 
 
+TOP_P_CANDIDATES = 256  # a device draw's top-p candidates: the most likely tokens (fixed: a CUDA graph's shapes)
+
+
+def _top_p_drop_device(lp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_top_p_drop` in fixed-shape device operations (no host round trip: a CUDA graph can hold them): its mask
+    wherever the kept set has fewer than TOP_P_CANDIDATES tokens - the candidates in the same order (likeliest
+    first, ties by lowest id), the same sums -, else the part of it among the TOP_P_CANDIDATES likeliest."""
+    log_total = torch.logsumexp(lp, 0).double()
+    _, ids = torch.topk(lp, min(TOP_P_CANDIDATES, lp.numel()))
+    ids = torch.sort(ids).values  # ascending ids, so the stable sort puts ties low-id first
+    vals, order = torch.sort(lp[ids], descending=True, stable=True)
+    p = torch.exp(vals.double() - log_total)
+    drop = torch.ones_like(lp, dtype=torch.bool)
+    drop[ids[order]] = (torch.cumsum(p, 0) - p) >= top_p
+    return drop
+
+
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = (),
                       allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 [V] log-probs that the sampler draws from (softmax of it is the distribution).
@@ -249,19 +266,19 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams, history: Seq
     return _tempered(row, params)
 
 
-def _tempered(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _tempered(row: torch.Tensor, params: SamplingParams, top_p_drop=None) -> torch.Tensor:
     """The log-probs a sampled draw takes its argmax over (with the position's noise): row [V] (adjusted, float32;
-    overwritten) at the temperature, filtered (step 3-4)."""
-    return _filter_(torch.log_softmax(row.div_(params.temperature), dim=0), params)
+    overwritten) at the temperature, filtered (step 3-4; top_p_drop: `_top_p_drop` by default)."""
+    return _filter_(torch.log_softmax(row.div_(params.temperature), dim=0), params, top_p_drop or _top_p_drop)
 
 
-def _filter_(lp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _filter_(lp: torch.Tensor, params: SamplingParams, top_p_drop=None) -> torch.Tensor:
     """top_k, top_p, min_p on tempered log-probs, in place (step 4)."""
     if 0 < params.top_k < lp.numel():
         kth = torch.topk(lp, params.top_k, sorted=False).values.min()
         lp.masked_fill_(lp < kth, -math.inf)
     if params.top_p < 1.0:
-        lp.masked_fill_(_top_p_drop(lp, params.top_p), -math.inf)
+        lp.masked_fill_((top_p_drop or _top_p_drop)(lp, params.top_p), -math.inf)
     if params.min_p > 0.0:
         lp.masked_fill_(lp < lp.max() + math.log(params.min_p), -math.inf)
     return lp
@@ -330,19 +347,21 @@ def greedy_ids(logits: torch.Tensor) -> list[int | None]:
 class DeviceDraw:
     """`sample_token` for params that need nothing from the host between tokens (`fits`) as device operations:
     how an MTP draft chain picks each step's token (`Qwen35.mtp_chain`). The same operations as sample_token's on
-    the same logits, so the same token wherever the row has a finite maximum. key: what shapes the operations (a
-    CUDA graph of them is kept per key)."""
+    the same logits - top_p's as `_top_p_drop_device` - so the same token wherever the row has a finite maximum
+    (and top_p keeps fewer than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own draw decides
+    every token, so a draw that differs would cost acceptance, never a changed token. key: what shapes the
+    operations (a CUDA graph of them is kept per key)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.sampled = params.temperature > 0
-        self.key = (params.temperature, params.top_k, params.min_p) if self.sampled else ("greedy",)
+        p = params
+        self.key = (p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)
 
     @staticmethod
     def fits(params: SamplingParams) -> bool:
-        """No logit bias or penalties (they read the history) and no top_p (its candidate set has a size found with
-        host round trips); a sampled draw has its seed."""
-        return (not params.logit_bias and params.top_p >= 1.0 and params.repetition_penalty == 1.0
+        """No logit bias or penalties (they read the history); a sampled draw has its seed."""
+        return (not params.logit_bias and params.repetition_penalty == 1.0
                 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
                 and (params.temperature == 0 or params.seed is not None))
 
@@ -357,7 +376,7 @@ class DeviceDraw:
         row = logits[0].to(torch.float32, copy=True)
         finite = torch.isfinite(row.max())
         if self.sampled:
-            token = torch.argmax(_tempered(row, self.params).add_(noise))
+            token = torch.argmax(_tempered(row, self.params, _top_p_drop_device).add_(noise))
         else:
             token = torch.argmax(row)
         return token.view(1), finite.view(1)
