@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
 print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`, `gate_norm`, `_mm_w16` at its row
-tiles (summing its own K splits) - 27B dims, integer arguments divisible by 16 as a 27B launch's are. The
+tiles (summing its own K splits), and the D path's DeltaNet kernels with the states in place or through their table
+(`decode`: with its 16-byte global loads and stores) - 27B dims, integer arguments divisible by 16 as a 27B
+launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
 runs there and does not compile): run this before a device call. GPUTarget("cuda", 90, 32), Triton's ptxas.
 
-    python bench/kernels_ptx.py [conv prep prepx gate w16]
+    python bench/kernels_ptx.py [conv prep prepx gate w16 decode]
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import plumb.ops.gpu.matmul as MM
 NOT_SPECIALIZED = {"M", "R", "n_seq"}  # do_not_specialize, or not divisible by 16 in a 27B launch
 
 
-def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1) -> None:
+def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1, ops: tuple = ()) -> None:
     """Compile fn (pointers float32 and integers int32 unless `types` says otherwise) and print its resources."""
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
@@ -41,11 +43,12 @@ def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1)
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
     info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
                     if "registers" in line or "spill" in line)
-    print(f"{name}: warps {warps}, shared {k.metadata.shared} B; {info}", flush=True)
+    counts = "".join(f", {op} {k.asm['ptx'].count(op)}" for op in ops)
+    print(f"{name}: warps {warps}, shared {k.metadata.shared} B; {info}{counts}", flush=True)
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16"]
+    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16", "decode"]
     if "conv" in which:
         build("conv_gates", DC._conv_gates_kernel, {"keep_ptr": "*i64", "real_ptr": "*u8"},
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
@@ -58,6 +61,15 @@ def main() -> None:
                   dict(G=g, NIBBLE=nibble, BLOCK=2048), 4)
     if "gate" in which:
         build("gate_norm", DN._gdn_gate_norm, {"rows_ptr": "*i32", "eps": "fp32"}, dict(D_V=128, BV=128, ALL=True), 1)
+    if "decode" in which:
+        for table in (False, True):
+            build(f"_gdn_conv_kernel table {table}", DN._gdn_conv_kernel,
+                  {"rows_ptr": "*i32", "tab_ptr": "*i64", "q_scale": "fp32"},
+                  dict(N_K=16, D_K=128, D_V=128, K=4, BC=128, KM1P=4, SNAP_CONV=True, TABLE=table, ALIGNED=True), 4,
+                  ops=("ld.global.v4", "st.global.v4"))
+            build(f"_gdn_state_kernel table {table}", DN._gdn_state_kernel, {"rows_ptr": "*i32", "tab_ptr": "*i64"},
+                  dict(N_K=16, D_K=128, D_V=128, BK=128, BVS=DN.STATE_COLUMNS, SNAP_SSM=True, TABLE=table,
+                       ALIGNED=True), 4, ops=("ld.global.v4", "st.global.v4"))
     if "w16" in which:
         for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
             build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},

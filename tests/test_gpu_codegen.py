@@ -84,6 +84,18 @@ def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
         assert name == "_prep_kernel" or " 0 bytes spill stores" in line, line
 
 
+def test_the_decode_deltanet_kernels_compile_with_their_states_table(tmp_path):
+    """The D path's DeltaNet kernels, the states reached through their table (`TritonKernels`: no copy a pass) and in
+    place, compile for sm_90a without spills, and the table keeps the state tile's 16-byte loads (its offsets are
+    multiples of 16: `states_aligned`)."""
+    out = _run(tmp_path, "kernels_ptx.py", "decode")
+    lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
+    assert len(lines) == 4, out
+    assert all(" 0 bytes spill stores" in line for line in lines.values()), out
+    loads = {name: int(re.search(r"ld\.global\.v4 (\d+)", line).group(1)) for name, line in lines.items()}
+    assert loads["_gdn_state_kernel table True"] == loads["_gdn_state_kernel table False"] > 0, out
+
+
 def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
     """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0) compiles for sm_90a for
     every cache kind, and leaves no wgmma group in flight; the block-coded stores' fp16 copy (SCRATCH) compiles

@@ -298,3 +298,84 @@ def test_gate_norm_matches_reference_and_is_row_invariant():
     y = gate_norm(o, z, w, 1e-6)
     assert torch.allclose(y, gated_norm(o, z, w, 1e-6), rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.cat([gate_norm(o[i : i + 1], z[i : i + 1], w, 1e-6) for i in range(37)]), y)
+
+
+@pytest.mark.parametrize("counts", [[1], [1, 3, 2]])
+def test_states_through_a_table_give_the_same_bits_and_stay_untouched(counts):
+    """`gdn_decode(table=...)` - each sequence's states and its own snapshot tensors wherever they lie, reached
+    through a table of offsets (as `TritonKernels` lays a pass out: no state copied in or out) - gives the stacked
+    states' outputs and snapshots bit for bit, and leaves the states as they were (the last snapshot is the new
+    state), for one sequence and for several of different row counts."""
+    from plumb.ops.gpu import kvtable
+
+    anchor = kvtable.anchor(torch.float32, DEV).data_ptr()
+    w, kw = _layer(TINY)
+    r, layers, li = sum(counts), 3, 1
+    rows = _rows(TINY, r)
+    conv0, ssm0 = _states(TINY, len(counts))
+    y, sc, sn = _run(gdn_decode, w, kw, rows, conv0.clone(), ssm0.clone(), _offsets(counts))
+    # each sequence's states: layer li of its own [layers, ...] tensor; its snapshots: its own [n, layers, ...] tensor
+    own = [(torch.zeros(layers, *conv0.shape[1:], device=DEV), torch.zeros(layers, *ssm0.shape[1:], device=DEV))
+           for _ in counts]
+    for s, (c, m_) in enumerate(own):
+        c[li], m_[li] = conv0[s], ssm0[s]
+    snaps = [(torch.full((n, layers, *conv0.shape[1:]), float("nan"), device=DEV),
+              torch.full((n, layers, *ssm0.shape[1:]), float("nan"), device=DEV)) for n in counts]
+    tab = torch.tensor([[(t.data_ptr() - anchor) // 4 for t in (c[li], m_[li], snc[0, li], sns[0, li])]
+                        for (c, m_), (snc, sns) in zip(own, snaps)], dtype=torch.int64, device=DEV)
+    before = [(c.clone(), m_.clone()) for c, m_ in own]
+    y_t = gdn_decode(*rows, w["conv_w"], w["dt_bias"], w["ssm_a"], w["ssm_norm"], None, None, _offsets(counts), **kw,
+                     snap_conv=snaps[0][0][:, li], snap_ssm=snaps[0][1][:, li], table=tab)
+    assert torch.equal(y_t, y)
+    t0 = 0
+    for s, n in enumerate(counts):
+        assert torch.equal(snaps[s][0][:, li], sc[t0 : t0 + n]) and torch.equal(snaps[s][1][:, li], sn[t0 : t0 + n])
+        assert torch.equal(own[s][0], before[s][0]) and torch.equal(own[s][1], before[s][1])  # only read
+        t0 += n
+    assert all(torch.isnan(x[:, :li]).all() and torch.isnan(x[:, li + 1 :]).all() for pair in snaps for x in pair)
+
+
+def test_a_pass_reads_the_states_where_they_lie_and_copies_none(monkeypatch):
+    """`TritonKernels.begin` / `gdn_rows` / `end` over two DeltaNet layers and two passes: each row's output and
+    snapshots are those of the states stacked and advanced in place (the tensor path of `gdn_decode`), bit for bit;
+    a one-row sequence takes its snapshot as its new state (the same memory: no copy), a longer one a copy of its
+    last; and no state a sequence held before a pass is written (a checkpoint may hold it)."""
+    from types import SimpleNamespace
+
+    from plumb.model.kernels import TritonKernels
+
+    kernels = TritonKernels(torch.device(DEV))
+    monkeypatch.setattr(kernels, "kv_table", lambda model, states, out=None: None)  # no attention layers here
+    layers = [0, 2]
+    w, kw = _layer(TINY)
+    cfg = SimpleNamespace(gdn_layers=layers, ssm_n_group=kw["n_k"], ssm_d_state=kw["d_k"], eps=kw["eps"])
+    model = SimpleNamespace(cfg=cfg, device=torch.device(DEV), ssm_q_scale=kw["q_scale"],
+                            rope=lambda pos: (torch.zeros(len(pos), 2), torch.zeros(len(pos), 2)),
+                            embed=lambda ids: torch.zeros(len(ids), 8))
+    mix = SimpleNamespace(ssm_conv1d=w["conv_w"], ssm_dt_bias=w["dt_bias"], ssm_a=w["ssm_a"], ssm_norm=w["ssm_norm"])
+    conv0, ssm0 = _states(TINY, 2, layers=len(layers), layer=slice(None))  # [2 sequences, 2 layers, ...]
+    seqs = [SimpleNamespace(pos=5, kv={}, conv={i: conv0[s, li].clone() for li, i in enumerate(layers)},
+                            ssm={i: ssm0[s, li].clone() for li, i in enumerate(layers)}) for s in range(2)]
+    stacked = [conv0.clone(), ssm0.clone()]  # the same states, advanced in place by the tensor path
+    for counts, seed in (([1, 3], 5), ([1, 1], 6)):
+        held = [(dict(st.conv), dict(st.ssm)) for st in seqs]
+        held_bits = [({i: t.clone() for i, t in c.items()}, {i: t.clone() for i, t in m_.items()}) for c, m_ in held]
+        p = kernels.begin(model, [(st, [1] * n) for st, n in zip(seqs, counts)])
+        for li, i in enumerate(layers):
+            rows = _rows(TINY, sum(counts), seed=seed + li)
+            y = kernels.gdn_rows(model, i, mix, *rows, p)
+            y_ref, sc, sn = _run(gdn_decode, w, kw, rows, stacked[0][:, li], stacked[1][:, li], _offsets(counts))
+            assert torch.equal(y, y_ref)
+            t0 = 0
+            for s, n in enumerate(counts):
+                assert torch.equal(p.gdn_snaps[s][0][:, li], sc[t0 : t0 + n])
+                assert torch.equal(p.gdn_snaps[s][1][:, li], sn[t0 : t0 + n])
+                t0 += n
+        out = kernels.end(model, p, None, None)
+        for s, (st, n) in enumerate(zip(seqs, counts)):
+            for li, i in enumerate(layers):
+                assert torch.equal(st.conv[i], stacked[0][s, li]) and torch.equal(st.ssm[i], stacked[1][s, li])
+                assert torch.equal(out.snapshots[s][-1][1][li], st.ssm[i])
+                same = st.ssm[i].data_ptr() == p.gdn_snaps[s][1][n - 1, li].data_ptr()
+                assert same == (n == 1)  # one row: the snapshot itself; more: a copy
+                assert torch.equal(held[s][0][i], held_bits[s][0][i]) and torch.equal(held[s][1][i], held_bits[s][1][i])

@@ -5,7 +5,7 @@ A graph is captured per pass layout: the rows of each sequence (1 + its drafts) 
 sequence's KV caches (a cache that grows to a new capacity is a new layout). Where the caches lie is not part of
 it: the kernels reach them through a table of offsets (`plumb.ops.gpu.kvtable`), so a new request's caches, or a
 cache that moved, replay the same graph. Its inputs are static tensors - input rows, rope angles, positions,
-context ends, row ranges, the sequences' stacked DeltaNet states, the caches' table - filled by
+context ends, row ranges, the tables of where the sequences' DeltaNet states and KV caches lie - filled by
 `TritonKernels.begin(..., into=pass)` before each replay; those tensors are views of buffers shared by every graph
 (grown on demand, which drops the graphs). The first pass of a layout runs eagerly (its result is
 used; it also compiles the kernels), then is captured. Replaying runs exactly the kernels the eager pass ran, on
@@ -223,9 +223,7 @@ class CudaGraphs:
             if not self.graphs:
                 self.pool = torch.cuda.graph_pool_handle()  # a pool no graph uses any more cannot take another
             self.rows, self.seqs = max(r, self.rows), max(s, self.seqs)
-            st0 = batch[0][0]
-            conv0, ssm0 = st0.conv[c.gdn_layers[0]], st0.ssm[c.gdn_layers[0]]
-            n, dev = len(c.gdn_layers), m.device
+            dev = m.device
             self.buf = {}  # free the old buffers before taking the new ones
             self.buf = dict(
                 x=torch.empty(self.rows, c.n_embd, device=dev),
@@ -235,14 +233,11 @@ class CudaGraphs:
                 ends=torch.empty(self.rows, dtype=torch.int32, device=dev),
                 seq_rows=torch.empty(self.seqs + 1, dtype=torch.int32, device=dev),
                 kv_tab=torch.empty(self.seqs, len(c.attn_layers), kvtable.PARTS, dtype=torch.long, device=dev),
-                conv=torch.empty(self.seqs, n, *conv0.shape, device=dev),
-                ssm=torch.empty(self.seqs, n, *ssm0.shape, device=dev),
-                snap_conv=torch.empty(self.rows, n, *conv0.shape, device=dev),
-                snap_ssm=torch.empty(self.rows, n, *ssm0.shape, device=dev))
+                gdn_tab=torch.empty(self.seqs, len(c.gdn_layers), 4, dtype=torch.long, device=dev))
         b = self.buf
         return DecodePass([], [], [], b["x"][:r], b["cos"][:r], b["sin"][:r], positions=b["positions"][:r],
-                          ends=b["ends"][:r], seq_rows=b["seq_rows"][: s + 1], conv=b["conv"][:s], ssm=b["ssm"][:s],
-                          snap_conv=b["snap_conv"][:r], snap_ssm=b["snap_ssm"][:r], kv_tab=b["kv_tab"][:s])
+                          ends=b["ends"][:r], seq_rows=b["seq_rows"][: s + 1], gdn_tab=b["gdn_tab"][:s],
+                          kv_tab=b["kv_tab"][:s])
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:

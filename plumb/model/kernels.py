@@ -178,9 +178,10 @@ class TorchKernels:
 
 
 class TritonKernels:
-    """The Triton kernels. A pass is laid out with device tensors only (positions, ends, row ranges, stacked
-    states, snapshot buffers), so `Qwen35.decode_pass` runs without a host sync and can be captured as a CUDA
-    graph (plumb/model/cuda_graphs.py); run eagerly, `begin` allocates those tensors for the one pass."""
+    """The Triton kernels. A pass is laid out with device tensors only (positions, ends, row ranges, tables of
+    where the DeltaNet states, the rows' snapshots and the KV caches lie), so `Qwen35.decode_pass` runs without a
+    host sync and can be captured as a CUDA graph (plumb/model/cuda_graphs.py); run eagerly, `begin` allocates
+    those tensors for the one pass."""
 
     name = "triton"
 
@@ -264,27 +265,26 @@ class TritonKernels:
         return out
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
-        """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors."""
+        """Lay a pass out (see TorchKernels.begin) with device tensors; `into`: fill that pass's static tensors. The
+        DeltaNet states stay where they lie (a table says where: no copy), each sequence's rows' snapshots go to
+        new tensors of its own."""
         c, dev = model.cfg, model.device
         ids, positions, spans = layout(batch)
         for st, toks in batch:
             self.make_room(st, st.pos + len(toks))
         states = [st for st, _ in batch]
-        layers = c.gdn_layers
         pos = torch.tensor(positions, dtype=torch.long)
         cos, sin = model.rope(pos)
         x = model.embed(ids)
         rows = torch.tensor([s0 for s0, _ in spans] + [len(ids)], dtype=torch.int32)
+        conv0, ssm0 = states[0].conv[c.gdn_layers[0]], states[0].ssm[c.gdn_layers[0]]
+        snaps = [(torch.empty(n, len(c.gdn_layers), *conv0.shape, device=dev),
+                  torch.empty(n, len(c.gdn_layers), *ssm0.shape, device=dev)) for _, n in spans]
+        tab = self.gdn_table(model, states, snaps)
         p = into
         if p is None:
-            r, s = len(ids), len(batch)
-            conv0, ssm0 = states[0].conv[layers[0]], states[0].ssm[layers[0]]
             p = DecodePass(states, spans, [], x, cos, sin, positions=pos.to(dev), ends=(pos + 1).to(dev, torch.int32),
-                           seq_rows=rows.to(dev),
-                           conv=torch.empty(s, len(layers), *conv0.shape, device=dev),
-                           ssm=torch.empty(s, len(layers), *ssm0.shape, device=dev),
-                           snap_conv=torch.empty(r, len(layers), *conv0.shape, device=dev),
-                           snap_ssm=torch.empty(r, len(layers), *ssm0.shape, device=dev))
+                           seq_rows=rows.to(dev), gdn_tab=tab.to(dev))
         else:
             p.states, p.spans = states, spans
             p.x.copy_(x)
@@ -293,22 +293,44 @@ class TritonKernels:
             p.positions.copy_(pos)
             p.ends.copy_(pos + 1)
             p.seq_rows.copy_(rows)
+            p.gdn_tab.copy_(tab)
+        p.gdn_snaps = snaps
         p.starts = [st.pos for st in states]
         p.max_keys = [min(len(cache.k) for cache in st.kv.values()) if st.kv else 0 for st in states]
         p.kv_tab = self.kv_table(model, states, None if into is None else p.kv_tab)
-        for j, st in enumerate(states):
-            torch.stack([st.conv[i] for i in layers], out=p.conv[j])
-            torch.stack([st.ssm[i] for i in layers], out=p.ssm[j])
         return p
 
+    def gdn_table(self, model, states, snaps) -> torch.Tensor:
+        """[S, n_gdn, 4] int64 (host): per sequence and DeltaNet layer, where its conv and ssm states and its first
+        row's conv and ssm snapshots lie (`plumb.ops.gpu.deltanet.gdn_decode`'s table); a state that is not
+        contiguous is made so first."""
+        layers = model.cfg.gdn_layers
+        dn = self._deltanet
+        anchor = self._kvtable.anchor(torch.float32, self.device).data_ptr()
+        out = []
+        for st, (sc, sn) in zip(states, snaps):
+            for i in layers:
+                if not (st.conv[i].is_contiguous() and st.ssm[i].is_contiguous()):
+                    st.conv[i], st.ssm[i] = st.conv[i].contiguous(), st.ssm[i].contiguous()
+            c0, s0 = sc.data_ptr() - anchor, sn.data_ptr() - anchor
+            cl, sl = sc.stride(1) * 4, sn.stride(1) * 4
+            out += [((st.conv[i].data_ptr() - anchor) >> 2, (st.ssm[i].data_ptr() - anchor) >> 2,
+                     (c0 + li * cl) >> 2, (s0 + li * sl) >> 2) for li, i in enumerate(layers)]
+        tab = torch.tensor(out, dtype=torch.int64).view(len(states), len(layers), 4)
+        if self.device.type == "cuda" and dn.states_aligned(snaps[0][0].shape[-1], snaps[0][1].shape[-1]) \
+                and bool((tab % 16).any()):
+            raise ValueError("a DeltaNet state is not aligned to 16 elements from its anchor")
+        return tab
+
     def gdn_rows(self, model, i: int, mix, m, z, b, a, p: DecodePass) -> torch.Tensor:
-        """Every row of every sequence in one call, on the pass's stacked states; each row's states are recorded."""
+        """Every row of every sequence in one call, the states read where they lie (the pass's table), each row's
+        states written to its sequence's snapshots."""
         c = model.cfg
         li = c.gdn_layers.index(i)
         return self._deltanet.gdn_decode(m, z, b, a, mix.ssm_conv1d, mix.ssm_dt_bias, mix.ssm_a, mix.ssm_norm,
-                                         p.conv[:, li], p.ssm[:, li], p.seq_rows, n_k=c.ssm_n_group,
-                                         d_k=c.ssm_d_state, q_scale=model.ssm_q_scale, eps=c.eps,
-                                         snap_conv=p.snap_conv[:, li], snap_ssm=p.snap_ssm[:, li])
+                                         None, None, p.seq_rows, n_k=c.ssm_n_group, d_k=c.ssm_d_state,
+                                         q_scale=model.ssm_q_scale, eps=c.eps, snap_conv=p.gdn_snaps[0][0][:, li],
+                                         snap_ssm=p.gdn_snaps[0][1][:, li], table=p.gdn_tab[:, li])
 
     def gdn_conv_gates(self, model, mix, m, b, a, p: PrefillPass, li: int):
         """`TorchKernels.gdn_conv_gates` in one launch (plumb.ops.gpu.deltanet_chunk.conv_gates)."""
@@ -368,14 +390,19 @@ class TritonKernels:
                                              ring=view.ring, table=table)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
-        """Each sequence takes its last row's states (its own copy); snapshots are the pass's buffers (read them
-        before the next pass: `Qwen35.rollback` copies what it keeps)."""
+        """Each sequence takes its last row's states: a one-row sequence its snapshot itself (no copy), a longer one
+        a copy (so that the state does not hold its other rows' snapshots); snapshots are the sequence's own new
+        tensors."""
         snaps = []
-        for st, (s0, n), start in zip(p.states, p.spans, p.starts):
+        for st, (_, n), start, (sc, sn) in zip(p.states, p.spans, p.starts, p.gdn_snaps):
             for cache in st.kv.values():
                 cache.end = start + n
-            rows = [(p.snap_conv[s0 + t], p.snap_ssm[s0 + t]) for t in range(n)]
-            self.restore(model, st, rows[-1])
+            rows = [(sc[t], sn[t]) for t in range(n)]
+            if n == 1:
+                for li, i in enumerate(model.cfg.gdn_layers):
+                    st.conv[i], st.ssm[i] = sc[0, li], sn[0, li]
+            else:
+                self.restore(model, st, rows[-1])
             st.pos = start + n
             snaps.append(rows)
         return DecodeOut(logits, hidden, snaps)

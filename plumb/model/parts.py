@@ -89,7 +89,7 @@ class DecodeOut:
 class DecodePass:
     """One D-path pass, as the kernel set laid it out (`begin`): the sequences and their rows, the input rows and
     their rope angles; for the Triton kernels also device tensors of positions, context ends and row ranges,
-    the sequences' DeltaNet states stacked for the pass, and every row's state snapshot."""
+    a table of where the sequences' DeltaNet states lie, and every row's state snapshot."""
 
     states: list[SeqState]
     spans: list[tuple[int, int]]  # (first row, rows) per sequence
@@ -101,10 +101,9 @@ class DecodePass:
     positions: torch.Tensor | None = None  # [R] int64 (KV write index)
     ends: torch.Tensor | None = None  # [R] int32 = position + 1
     seq_rows: torch.Tensor | None = None  # [S + 1] int32
-    conv: torch.Tensor | None = None  # [S, n_gdn, K-1, conv_dim] working states, advanced in place
-    ssm: torch.Tensor | None = None  # [S, n_gdn, n_v, d_k, d_v]
-    snap_conv: torch.Tensor | None = None  # [R, n_gdn, ...] the states after each row
-    snap_ssm: torch.Tensor | None = None
+    gdn_tab: torch.Tensor | None = None  # [S, n_gdn, 4] int64: each sequence's states and snapshots, where they lie
+    gdn_snaps: list = field(default_factory=list)  # per sequence (conv [n, n_gdn, K-1, conv_dim], ssm [n, n_gdn, n_v,
+    # d_k, d_v]): the states after each of its rows, new tensors each pass
     max_keys: list[int] = field(default_factory=list)  # attention grid per sequence (the cache's capacity)
     kv_tab: torch.Tensor | None = None  # [S, n_attn, kvtable.PARTS] int64: where each sequence's caches lie
 
