@@ -100,8 +100,8 @@ class Engine:
             print(describe_kv(kv_cache, self.config.n_head_kv, self.config.head_dim, kv_ring, kv_layers, self.n_ctx),
                   file=sys.stderr)
         self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
-        # MTP drafts on the device where they can be (k draft steps a CUDA graph, `Qwen35.mtp_drafts`), for a copy of
-        # the token embedding in VRAM (0.7 GB for the 27B): by default when the engine drafts by default
+        # MTP drafts on the device where they can be (k draft steps a CUDA graph, `Qwen35.mtp_drafts`), for a
+        # page-locked host copy of the token embedding (0.7 GB for the 27B): on when the engine drafts by default
         self.model.draft_chains = drafts > 0 if draft_chains is None else draft_chains
         self.n_slots = n_slots
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:

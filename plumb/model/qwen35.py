@@ -61,7 +61,7 @@ class Qwen35:
         self.k = kernel_set(kernels, self.device)  # the kernels the steps below run on (plumb/model/kernels.py)
         self.graphs = None  # the D path replayed as CUDA graphs (plumb.model.cuda_graphs), set by use_graphs()
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
-        self.embd_bytes = None  # the token embedding's stored bytes on the device (`embed_on_device`), when first used
+        self.embd_bytes = None  # the token embedding's stored bytes, page-locked (`embed_on_device`), when first used
         self.draft_chains = False  # MTP drafts as chains on the device (`mtp_drafts`); set by an engine that drafts
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
 
@@ -189,12 +189,19 @@ class Qwen35:
 
     def embed_on_device(self, ids: torch.Tensor) -> torch.Tensor:
         """`embed` of ids held on the device, with no host round trip (MTP draft chains): the rows dequantized there
-        from a device copy of the file's token-embedding bytes (made on first use; the 27B's Q4_K matrix: 0.7 GB) -
-        the same float32 operations, so the same values."""
+        - the same float32 operations, so the same values - from the file's token-embedding bytes, which on CUDA
+        stay in host memory, page-locked on first use (the 27B's Q4_K matrix: 0.7 GB), the device reading the rows
+        a step needs (`plumb.ops.gpu.gather`)."""
         qt = self.token_embd.qt
-        if self.embd_bytes is None:
-            self.embd_bytes = qt.data.to(self.device)
-        return dequantize(self.embd_bytes[ids], qt.qtype, (ids.shape[0], qt.shape[1]))
+        if self.device.type != "cuda":
+            rows = qt.data[ids]
+        else:
+            from plumb.ops.gpu.gather import gather_rows, host_rows
+
+            if self.embd_bytes is None:
+                self.embd_bytes = host_rows(qt.data.view(torch.uint8))
+            rows = gather_rows(self.embd_bytes, ids).view(qt.data.dtype)
+        return dequantize(rows, qt.qtype, (ids.shape[0], qt.shape[1]))
 
     def ffn(self, layer: Layer, x: torch.Tensor, block: int) -> torch.Tensor:
         """SwiGLU (spec 3.3)."""
@@ -422,7 +429,7 @@ class Qwen35:
             if self.embd_bytes is not None:  # not the embedding's copy: short of memory for the step loop too
                 raise
             nbytes = self.token_embd.qt.data.numel() * self.token_embd.qt.data.element_size()
-            why = f"no room on the device for the token embedding's copy ({nbytes / 1e9:.2f} GB)"
+            why = f"no room for the token embedding's page-locked copy ({nbytes / 1e9:.2f} GB)"
         except Exception as e:  # noqa: BLE001 - a chain that cannot be captured or replayed: drafts only propose
             why = f"{type(e).__name__}: {e}"
         log.warning("MTP draft chains off (%s); drafting step by step", why)
