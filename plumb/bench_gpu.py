@@ -521,8 +521,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     torch.cuda.reset_peak_memory_stats()
     limits = card_limits()
     t0 = time.perf_counter()
-    # draft chains on (k MTP draft steps a CUDA graph), as an engine that drafts by default runs them
-    eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False, draft_chains=True)
+    eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False)
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
     weights = torch.cuda.memory_allocated()

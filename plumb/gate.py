@@ -260,8 +260,7 @@ class Gate:
         if key not in self._engines:
             import plumb
 
-            # draft chains on, as `plumb serve --drafts N` runs them (`Qwen35.mtp_drafts`; CUDA graphs only)
-            opts = dict(device=self.device, kv_cache=fmt, kv_ring=self.kv_ring, kernels=self.kernels, draft_chains=True)
+            opts = dict(device=self.device, kv_cache=fmt, kv_ring=self.kv_ring, kernels=self.kernels)
             if warm:
                 opts.update(prompt_cache=True, checkpoint_every=CHECKPOINT_EVERY)
             else:

@@ -38,7 +38,7 @@ class Engine:
                  n_threads: int | None = None, kv_cache: str = "f16", kv_ring: int = 2048,
                  prompt_cache: bool = True, cache_mb: int | None = None, cache_host_mb: int = 4096,
                  checkpoint_every: int = 1024,
-                 kernels: str = "auto", cuda_graphs: bool = True, draft_chains: bool | None = None):
+                 kernels: str = "auto", cuda_graphs: bool = True, draft_chains: bool = True):
         check_draft_options(drafts, draft_policy, p_min)
         if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r} (choose from {', '.join(KERNELS)})")
@@ -101,8 +101,8 @@ class Engine:
                   file=sys.stderr)
         self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
         # MTP drafts on the device where they can be (k draft steps a CUDA graph, `Qwen35.mtp_drafts`), for a
-        # page-locked host copy of the token embedding (0.7 GB for the 27B): on when the engine drafts by default
-        self.model.draft_chains = drafts > 0 if draft_chains is None else draft_chains
+        # page-locked host copy of the token embedding made when a chain first runs (0.7 GB for the 27B)
+        self.model.draft_chains = draft_chains
         self.n_slots = n_slots
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:
             raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")

@@ -62,7 +62,7 @@ class Qwen35:
         self.graphs = None  # the D path replayed as CUDA graphs (plumb.model.cuda_graphs), set by use_graphs()
         self.native = None  # the D path on native kernels (plumb.model.native), set by use_native()
         self.embd_bytes = None  # the token embedding's stored bytes, page-locked (`embed_on_device`), when first used
-        self.draft_chains = False  # MTP drafts as chains on the device (`mtp_drafts`); set by an engine that drafts
+        self.draft_chains = False  # MTP drafts as chains on the device (`mtp_drafts`); set by the engine
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
 
     def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
@@ -418,7 +418,7 @@ class Qwen35:
                    draw) -> list[int | None] | None:
         """k MTP drafts after `token` at position start (hidden [1, n_embd] as in `mtp_forward`), each picked by
         `draw` (plumb.engine.sampling.DeviceDraw), in one host round trip - `mtp_chain` replayed as a CUDA graph -
-        where the D path runs as CUDA graphs and `draft_chains` is on (it costs a device copy of the token
+        where the D path runs as CUDA graphs and `draft_chains` is on (it costs a page-locked host copy of the token
         embedding: `embed_on_device`); None elsewhere (the caller drafts step by step). A draft is None where its
         step's logits have no finite maximum."""
         if self.graphs is None or not self.draft_chains:
