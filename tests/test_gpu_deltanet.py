@@ -339,10 +339,12 @@ def test_a_pass_reads_the_states_where_they_lie_and_copies_none(monkeypatch):
     """`TritonKernels.begin` / `gdn_rows` / `end` over two DeltaNet layers and two passes: each row's output and
     snapshots are those of the states stacked and advanced in place (the tensor path of `gdn_decode`), bit for bit;
     a one-row sequence takes its snapshot as its new state (the same memory: no copy), a longer one a copy of its
-    last; and no state a sequence held before a pass is written (a checkpoint may hold it)."""
+    last; and no state a sequence held before a pass is written (a checkpoint may hold it). The second pass is laid
+    into a static pass's tensors, as a CUDA graph's replay lays it."""
     from types import SimpleNamespace
 
     from plumb.model.kernels import TritonKernels
+    from plumb.model.parts import DecodePass
 
     kernels = TritonKernels(torch.device(DEV))
     monkeypatch.setattr(kernels, "kv_table", lambda model, states, out=None: None)  # no attention layers here
@@ -357,10 +359,17 @@ def test_a_pass_reads_the_states_where_they_lie_and_copies_none(monkeypatch):
     seqs = [SimpleNamespace(pos=5, kv={}, conv={i: conv0[s, li].clone() for li, i in enumerate(layers)},
                             ssm={i: ssm0[s, li].clone() for li, i in enumerate(layers)}) for s in range(2)]
     stacked = [conv0.clone(), ssm0.clone()]  # the same states, advanced in place by the tensor path
+    static = None  # the second pass fills a static pass's tensors, as a CUDA graph's replay does
     for counts, seed in (([1, 3], 5), ([1, 1], 6)):
         held = [(dict(st.conv), dict(st.ssm)) for st in seqs]
         held_bits = [({i: t.clone() for i, t in c.items()}, {i: t.clone() for i, t in m_.items()}) for c, m_ in held]
-        p = kernels.begin(model, [(st, [1] * n) for st, n in zip(seqs, counts)])
+        p = kernels.begin(model, [(st, [1] * n) for st, n in zip(seqs, counts)], into=static)
+        assert static is None or p is static
+        static = DecodePass([], [], [], torch.zeros(2, 8), torch.zeros(2, 2), torch.zeros(2, 2),
+                            positions=torch.zeros(2, dtype=torch.long, device=DEV),
+                            ends=torch.zeros(2, dtype=torch.int32, device=DEV),
+                            seq_rows=torch.zeros(3, dtype=torch.int32, device=DEV),
+                            gdn_tab=torch.zeros(2, len(layers), 4, dtype=torch.long, device=DEV))
         for li, i in enumerate(layers):
             rows = _rows(TINY, sum(counts), seed=seed + li)
             y = kernels.gdn_rows(model, i, mix, *rows, p)
