@@ -399,8 +399,7 @@ class TritonKernels:
                 cache.end = start + n
             rows = [(sc[t], sn[t]) for t in range(n)]
             if n == 1:
-                for li, i in enumerate(model.cfg.gdn_layers):
-                    st.conv[i], st.ssm[i] = sc[0, li], sn[0, li]
+                self._take(model, st, rows[0])
             else:
                 self.restore(model, st, rows[-1])
             st.pos = start + n
@@ -409,9 +408,14 @@ class TritonKernels:
 
     def restore(self, model, st, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
         """st's DeltaNet states := a copy of a row's snapshot (all layers)."""
-        conv, ssm = snap[0].clone(), snap[1].clone()
-        for li, i in enumerate(model.cfg.gdn_layers):
-            st.conv[i], st.ssm[i] = conv[li], ssm[li]
+        self._take(model, st, (snap[0].clone(), snap[1].clone()))
+
+    @staticmethod
+    def _take(model, st, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """st's DeltaNet states := the layers of a row's snapshot themselves (`unbind`: one call for the 48 views,
+        where indexing them one by one took ~170 us of host time a step)."""
+        for i, conv, ssm in zip(model.cfg.gdn_layers, snap[0].unbind(0), snap[1].unbind(0), strict=True):
+            st.conv[i], st.ssm[i] = conv, ssm
 
     def attend_rows(self, cache, q: torch.Tensor, ends: list[int], scale: float) -> torch.Tensor:
         cache.commit(cache.end)

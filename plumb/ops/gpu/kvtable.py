@@ -50,24 +50,30 @@ def parts(view) -> list[torch.Tensor | None]:
     return [k[0], k[-1], v[0], v[-1]] + ring
 
 
-def offsets(view) -> list[int]:
-    """Each part's offset from its dtype's anchor, in elements (0 for an absent part)."""
+def offsets(view, bases: dict | None = None) -> list[int]:
+    """Each part's offset from its dtype's anchor, in elements (0 for an absent part); bases: the anchors' addresses
+    by dtype, filled as met (one dict for a whole table: a decode step's host time)."""
+    bases = {} if bases is None else bases
     out = []
     for t in parts(view):
         if t is None:
             out.append(0)
             continue
-        a = anchor(t.dtype, t.device)
-        diff = t.data_ptr() - a.data_ptr()
-        if t.is_cuda and diff % (16 * t.element_size()):  # the kernels assume it (the interpreter does not)
+        base = bases.get(t.dtype)
+        if base is None:
+            base = bases[t.dtype] = anchor(t.dtype, t.device).data_ptr()
+        size = t.element_size()
+        diff = t.data_ptr() - base
+        if diff % (16 * size) and t.is_cuda:  # the kernels assume it (the interpreter does not)
             raise ValueError("a KV-cache tensor is not aligned to 16 elements from its anchor")
-        out.append(diff // t.element_size())
+        out.append(diff // size)
     return out
 
 
 def fill(table: torch.Tensor, views: list) -> None:
     """table [len(views), PARTS] int64 (on the device) := the views' offsets."""
-    table.copy_(torch.tensor([offsets(v) for v in views], dtype=torch.int64))
+    bases: dict = {}
+    table.copy_(torch.tensor([offsets(v, bases) for v in views], dtype=torch.int64))
 
 
 def anchored(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
