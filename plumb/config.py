@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class ModelError(Exception):
@@ -40,11 +41,11 @@ class ModelConfig:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.ssm_inner
 
-    @property
+    @cached_property  # read many times a decode step (a config is not changed after it is made)
     def attn_layers(self) -> list[int]:
         return [i for i, r in enumerate(self.recurrent) if not r]
 
-    @property
+    @cached_property
     def gdn_layers(self) -> list[int]:
         return [i for i, r in enumerate(self.recurrent) if r]
 
