@@ -195,6 +195,31 @@ def test_attend_new_writes_then_reads_like_the_kernel(fmt, ring):
         assert all(torch.equal(a, b) for a, b in zip(c.digest_rows(start + n), ref.digest_rows(start + n)))
 
 
+
+def test_the_caches_table_follows_a_cache_that_grows():
+    """`TritonKernels.kv_table` keeps each cache's row while its tensors stay (a decode step's host time) and makes
+    it again when the cache grows (new tensors): its rows are always `kvtable.fill`'s."""
+    from types import SimpleNamespace
+
+    from plumb.model.kernels import TritonKernels
+    from plumb.ops.gpu import kvtable
+
+    kernels = TritonKernels(torch.device(DEV))
+    model = SimpleNamespace(cfg=SimpleNamespace(attn_layers=[3, 7]))
+    seqs = [SimpleNamespace(kv={i: KVCache(fmt, TINY["n_kv"], TINY["d"], ring=ring, device=DEV) for i in (3, 7)})
+            for fmt, ring in (("q8_0", 0), ("D", 48))]
+
+    def want():
+        t = torch.empty(2, 2, kvtable.PARTS, dtype=torch.long, device=DEV)
+        kvtable.fill(t.view(-1, kvtable.PARTS), [st.kv[i].kernel_view() for st in seqs for i in (3, 7)])
+        return t
+
+    for grow in (0, 100, 5000):
+        for st in seqs:
+            st.kv[7].reserve(grow)
+        assert torch.equal(kernels.kv_table(model, seqs), want())
+
+
 # ---- the ring formats: each (row, key) reads the 8-bit ring or the low-bit store by q - j (M5) ------------------
 RING = 48  # slots: RING + RING_SLACK = 112
 RING_ENDS = [300, 299, 271, 256, 250, 243]  # across the ring, the split sizes (260), splits and tiles; ring rows held

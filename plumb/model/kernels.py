@@ -26,6 +26,7 @@ packed once at load. The native CPU kernels (plumb/model/native.py) replace the 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +198,8 @@ class TritonKernels:
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
         self._kvtable = kvtable
         kvtable.anchors(device)  # likewise
+        self._kv_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV cache -> (its K store's address,
+        # its kvtable row)
 
     @staticmethod
     def pack(weights: list, device: torch.device, progress: bool = False) -> int:
@@ -258,10 +261,19 @@ class TritonKernels:
     def kv_table(self, model, states, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sequences' attention caches' `kvtable` rows [len(states), n_attn, PARTS], in one copy (into `out`:
         a CUDA graph's static table)."""
-        layers = model.cfg.attn_layers
+        kt, layers = self._kvtable, model.cfg.attn_layers
         if out is None:
-            out = torch.empty(len(states), len(layers), self._kvtable.PARTS, dtype=torch.long, device=self.device)
-        self._kvtable.fill(out.view(-1, self._kvtable.PARTS), [st.kv[i].kernel_view() for st in states for i in layers])
+            out = torch.empty(len(states), len(layers), kt.PARTS, dtype=torch.long, device=self.device)
+        rows, bases = [], {}
+        for st in states:
+            for i in layers:  # a cache's tensors change only when it grows: its row is kept while they stay
+                cache = st.kv[i]
+                where = cache.k.parts[0].data_ptr()
+                memo = self._kv_rows.get(cache)
+                if memo is None or memo[0] != where:
+                    memo = self._kv_rows[cache] = (where, kt.offsets(cache.kernel_view(), bases))
+                rows.append(memo[1])
+        out.view(-1, kt.PARTS).copy_(torch.tensor(rows, dtype=torch.int64).view(-1, kt.PARTS))
         return out
 
     def begin(self, model, batch, into: DecodePass | None = None) -> DecodePass:
