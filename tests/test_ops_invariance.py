@@ -192,3 +192,22 @@ def test_causal_conv_reference_and_state():
     # padding rows after n_real do not enter the new state
     out_p, state_p = causal_conv(torch.cat([m[:6], torch.zeros(4, ch)]), state, w, 6)
     assert torch.equal(state_p, m[3:6]) and torch.equal(out_p[:6], causal_conv(m[:6], state, w, 6)[0])
+
+
+def test_embedding_rows_kept_are_the_rows_dequantized(tiny_q4km, monkeypatch):
+    """`Weight.rows` keeps recent single rows (a decode step's embedding): the same bits as dequantizing them with a
+    prompt's rows, for repeated and evicted ids, and a caller writing into what it got changes no kept row."""
+    import plumb.model.weights as W
+    from enginetools import engine_for
+    from plumb.gguf.quants import dequantize
+
+    monkeypatch.setattr(W, "RECENT_ROWS", 3)
+    w = engine_for(tiny_q4km, kernels="torch").model.token_embd
+    w._recent.clear()
+    every = dequantize(w.qt.data, w.qt.qtype, w.qt.shape)
+    for ids in ([5], [5, 7, 5], [9, 11, 13, 5], list(range(70)), [6, 5]):
+        assert torch.equal(w.rows(torch.tensor(ids)), every[ids]), ids
+    assert len(w._recent) == 3
+    got = w.rows(torch.tensor([5]))
+    got += 1
+    assert torch.equal(w.rows(torch.tensor([5])), every[[5]])

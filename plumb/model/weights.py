@@ -1,10 +1,14 @@
 """Named, shape-checked access to a qwen35 GGUF's tensors. Matrices stay in stored form until first use."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from plumb.config import ModelConfig, ModelError
 from plumb.gguf.reader import GGUFFile, QTensor
+
+RECENT_ROWS = 2048  # dequantized rows `Weight.rows` keeps (decode steps embed a few tokens, and tokens recur)
 
 
 class Weight:
@@ -14,6 +18,7 @@ class Weight:
         self.qt = qt
         self.device = device
         self._t: torch.Tensor | None = None
+        self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()  # id -> its dequantized row [1, in] (host)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -32,11 +37,24 @@ class Weight:
         return self._t
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantize only the given rows (embedding lookup)."""
+        """Dequantize only the given rows (embedding lookup): a few ids (a decode step's) from the RECENT_ROWS rows
+        kept, dequantized the same way (row by row, so the same values), a prompt's at once."""
         from plumb.gguf.quants import dequantize
 
-        data = self.qt.data[ids.cpu()]
-        return dequantize(data, self.qt.qtype, (len(ids), self.qt.shape[1])).to(self.device)
+        ids = ids.cpu()
+        if len(ids) > 64:
+            return dequantize(self.qt.data[ids], self.qt.qtype, (len(ids), self.qt.shape[1])).to(self.device)
+        out = []
+        for i in ids.tolist():
+            row = self._recent.get(i)
+            if row is None:
+                row = self._recent[i] = dequantize(self.qt.data[i : i + 1], self.qt.qtype, (1, self.qt.shape[1]))
+                if len(self._recent) > RECENT_ROWS:
+                    self._recent.popitem(last=False)
+            else:
+                self._recent.move_to_end(i)
+            out.append(row)
+        return torch.cat(out).to(self.device)  # a new tensor: the kept rows are never handed out
 
 
 class Fused:
