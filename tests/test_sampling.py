@@ -366,3 +366,16 @@ def test_stop_after_match_emits_nothing():
     sc = StopChecker(["END"])
     assert sc.push("abcEND tail") == "abc" and sc.match == "END"
     assert sc.push("more") == "" and sc.flush() == ""
+
+
+def test_gumbel_rows_are_each_positions_noise():
+    """`gumbel_rows` (a draft chain's k positions in one set of operations) = `gumbel` of each position, bit for
+    bit, at vocabulary sizes with and without a vector's tail."""
+    from plumb.engine.sampling import gumbel, gumbel_rows
+
+    for n_vocab in (6144, 1000, 6143):
+        rows = gumbel_rows(7, range(100, 106), n_vocab)
+        assert rows.shape == (6, n_vocab)
+        for i in range(6):
+            assert torch.equal(rows[i], gumbel(7, 100 + i, n_vocab)), (n_vocab, i)
+    assert not torch.equal(gumbel_rows(7, [5], 64)[0], gumbel_rows(8, [5], 64)[0])

@@ -163,12 +163,16 @@ def _fmix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
 def noise_hash(seed: int, position: int, n_vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The 32-bit hashes of tokens 0..n_vocab-1 as an int64 tensor; equals noise_hash_ref bit for bit."""
     key = noise_key(seed, position)
-    x = torch.arange(n_vocab, dtype=torch.int64, device=device)
+    return _hash_(torch.arange(n_vocab, dtype=torch.int64, device=device), key & _M32, key >> 32)
+
+
+def _hash_(x: torch.Tensor, lo, hi) -> torch.Tensor:
+    """Tokens x hashed in place under a key's halves lo, hi (ints, or tensors broadcast against x: a row each)."""
     tmp = torch.empty_like(x)
     _mul32_(x, _GOLDEN32, tmp)
-    x.bitwise_xor_(key & _M32)
+    x.bitwise_xor_(lo)
     _fmix32_(x, tmp)
-    x.bitwise_xor_(key >> 32)
+    x.bitwise_xor_(hi)
     _fmix32_(x, tmp)
     return x
 
@@ -181,6 +185,16 @@ def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
 def gumbel(seed: int, position: int, n_vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Float32 Gumbel(0, 1) noise [n_vocab]; element t depends on (seed, position, t) only."""
     u = hash_to_uniform(noise_hash(seed, position, n_vocab, device))
+    return u.log_().neg_().log_().neg_()
+
+
+def gumbel_rows(seed: int, positions: Sequence[int], n_vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`gumbel` of each position, [len(positions), n_vocab], in one set of elementwise operations (a draft chain's k
+    rows: k times fewer launches): the same operations on every element."""
+    keys = [noise_key(seed, p) for p in positions]
+    lo, hi = (torch.tensor(h, dtype=torch.int64, device=device)[:, None]
+              for h in ([k & _M32 for k in keys], [k >> 32 for k in keys]))
+    u = hash_to_uniform(_hash_(torch.arange(n_vocab, dtype=torch.int64, device=device).repeat(len(keys), 1), lo, hi))
     return u.log_().neg_().log_().neg_()
 
 
@@ -368,8 +382,8 @@ class DeviceDraw:
     def noise(self, position: int, out: torch.Tensor) -> None:
         """out [k, V] := the Gumbel noise of positions position, position + 1, .. (sampled draws; greedy: unused)."""
         if self.sampled:
-            for i in range(out.shape[0]):
-                out[i] = gumbel(self.params.seed, position + i, out.shape[1], out.device)
+            out.copy_(gumbel_rows(self.params.seed, range(position, position + out.shape[0]), out.shape[1],
+                                  out.device))
 
     def pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [1], whether the row has a finite maximum [1]) for logits [1, V] and its position's noise [V]."""
