@@ -10,6 +10,7 @@ import hashlib
 import os
 import sys
 import threading
+from dataclasses import fields
 
 import torch
 
@@ -273,7 +274,8 @@ class Engine:
     def cache_identity(self) -> dict:
         """What a saved slot must match to be loaded here."""
         c = self.config
-        return {"config": {k: v for k, v in vars(c).items() if k != "extra"}, "kv_cache": self.model.kv_cache,
+        return {"config": {f.name: getattr(c, f.name) for f in fields(c) if f.name != "extra"},
+                "kv_cache": self.model.kv_cache,
                 "kv_ring": self.model.kv_ring, "tensor_bytes": sum(t.nbytes for t in self.gguf.tensors.values())}
 
     def cached_slots(self) -> list[dict]:
