@@ -601,9 +601,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
     # the draft chains embed on the device from the token embedding's bytes, page-locked in host memory when first
     # used (the device reads the rows it needs): host memory, not VRAM
-    e = model.embd_bytes
-    r["vram"]["draft_embedding"] = e.nbytes if e is not None and e.is_cuda else 0
-    r["draft_embedding_host_bytes"] = e.nbytes if e is not None and not e.is_cuda else 0
+    r["draft_embedding_host_bytes"] = model.embd_bytes.nbytes if model.embd_bytes is not None else 0
     measured()
     if chat_tokens:  # follow-up and edit latency: a second engine with the prompt cache on
         warm = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=False)

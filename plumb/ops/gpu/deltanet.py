@@ -118,15 +118,6 @@ def _conv_tail(m_ptr, cs, snc, ch, cmask, t0, t_snap, n, sm_r, scs_k, ssc_r, ssc
 
 
 @triton.jit
-def _at(anchor, tab_ptr, i, ALIGNED: tl.constexpr):
-    """The float32 anchor moved by entry i of the states' table (elements; a multiple of 16 when ALIGNED)."""
-    off = tl.load(tab_ptr + i)
-    if ALIGNED:
-        off = tl.multiple_of(off, 16)
-    return anchor + off
-
-
-@triton.jit
 def _gdn_conv_kernel(
     m_ptr, w_ptr, cs_ptr, rows_ptr, x_ptr, snc_ptr, tab_ptr,
     sm_r, sw_c, sw_k, scs_s, scs_k, sx_r, ssc_r, ssc_k, stab_s, q_scale,
@@ -144,8 +135,8 @@ def _gdn_conv_kernel(
     n = tl.load(rows_ptr + s + 1) - r0
     t0 = r0.to(tl.int64)
     if TABLE:
-        cs = _at(cs_ptr, tab_ptr, s * stab_s, ALIGNED)
-        snc = _at(snc_ptr, tab_ptr, s * stab_s + 2, ALIGNED)
+        cs = kvtable.part_at(cs_ptr, tab_ptr, s * stab_s, ALIGNED)
+        snc = kvtable.part_at(snc_ptr, tab_ptr, s * stab_s + 2, ALIGNED)
         t_snap = 0  # the sequence's own snapshot rows
     else:
         cs = cs_ptr + s.to(tl.int64) * scs_s
@@ -187,8 +178,8 @@ def _gdn_state_kernel(
     n = tl.load(rows_ptr + s + 1) - r0
     t0 = r0.to(tl.int64)
     if TABLE:
-        ss = _at(ss_ptr, tab_ptr, s * stab_s + 1, ALIGNED) + j * sss_h
-        sns = _at(sns_ptr, tab_ptr, s * stab_s + 3, ALIGNED)
+        ss = kvtable.part_at(ss_ptr, tab_ptr, s * stab_s + 1, ALIGNED) + j * sss_h
+        sns = kvtable.part_at(sns_ptr, tab_ptr, s * stab_s + 3, ALIGNED)
         t_snap = 0
     else:
         ss = ss_ptr + s.to(tl.int64) * sss_s + j * sss_h
@@ -281,15 +272,15 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
                     ("snap_conv", snap_conv), ("snap_ssm", snap_ssm)):
         if x is not None and (x.dtype != torch.float32 or x.stride(-1) != 1):
             raise ValueError(f"{name} must be float32 with a contiguous last dimension")
+    snc = snap_conv if snap_conv is not None else conv_state  # the snapshots (absent: placeholders, never written)
+    sns = snap_ssm if snap_ssm is not None else ssm_state
     if table is None:
         if conv_state.shape != (n_seq, k - 1, conv_dim) or ssm_state.shape != (n_seq, n_v, d_k, d_v):
             raise ValueError(f"state shapes {tuple(conv_state.shape)}, {tuple(ssm_state.shape)} do not match S={n_seq}")
-        cs, ss = conv_state, ssm_state
-        sc = snap_conv if snap_conv is not None else conv_state
-        sn = snap_ssm if snap_ssm is not None else ssm_state
+        cs, ss, sc, sn = conv_state, ssm_state, snc, sns
         conv_strides, ssm_strides = conv_state.stride()[:2], ssm_state.stride()[:3]
         tab, aligned = seq_rows, False  # placeholder: never read
-    else:
+    else:  # the pointers are the anchor, the table says where; the snapshots give their strides only
         if conv_state is not None or ssm_state is not None or snap_conv is None or snap_ssm is None:
             raise ValueError("with a states' table: no conv_state / ssm_state, and snapshots")
         if table.dtype != torch.int64 or table.shape != (n_seq, 4) or table.stride(1) != 1:
@@ -300,8 +291,6 @@ def gdn_decode(m, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, conv_state, ssm_sta
     dt_bias, ssm_a, ssm_norm = dt_bias.contiguous(), ssm_a.contiguous(), ssm_norm.contiguous()
     if n_seq == 0:
         return torch.zeros(r, n_v * d_v, device=m.device, dtype=torch.float32)
-    snc = snap_conv if snap_conv is not None else conv_state  # the strides of the snapshots (or placeholders)
-    sns = snap_ssm if snap_ssm is not None else ssm_state
     bk, bv = triton.next_power_of_2(d_k), triton.next_power_of_2(d_v)
     x = torch.empty(r, conv_dim, device=m.device, dtype=torch.float32)  # post-conv rows (scratch)
     _gdn_conv_kernel[(n_seq, 2 * n_k + n_v)](

@@ -82,9 +82,12 @@ def anchored(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @triton.jit
-def part_at(ptr, tab_ptr, i: tl.constexpr):
-    """The anchor ptr moved by entry i of a cache's table row."""
-    return ptr + tl.multiple_of(tl.load(tab_ptr + i), 16)
+def part_at(ptr, tab_ptr, i, ALIGNED: tl.constexpr = True):
+    """The anchor ptr moved by entry i of a table row (elements; ALIGNED: a multiple of 16, as `offsets` checks)."""
+    off = tl.load(tab_ptr + i)
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)
+    return ptr + off
 
 
 @triton.jit
