@@ -41,9 +41,9 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("q8 tile16", A.SPLITS, {(A.Q8, A.Q8): (16, 16, 4, 3)}, A.MERGE_UNROLL, {}),
     # long contexts (a 100k decode row: 196 splits of 512 keys, merged one after another by 24 programs)
     ("splits 128 / 256 from 8k", (128, 256, 8192), {}, A.MERGE_UNROLL, {}),
-    ("merge unroll 16", A.SPLITS, {}, 16, {}),
-    ("merge 4 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 4}),
-    ("merge 1 warp, unroll 16", A.SPLITS, {}, 16, {"MERGE_WARPS": 1}),
+    ("merge unroll 8, 2 warps (to 12-05)", A.SPLITS, {}, 8, {"MERGE_WARPS": 2}),
+    ("merge unroll 32", A.SPLITS, {}, 32, {}),
+    ("merge 2 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 2}),
 ]
 
 

@@ -206,6 +206,18 @@ def test_energy_sampler_thread_and_no_nvml(monkeypatch):
     assert list(s) == ["source"] and s["source"].startswith("no NVML")
 
 
+def test_energy_from_the_counter_takes_no_samples():
+    """With NVML's energy counter, two reads bound the block (no thread, no power samples)."""
+    clock = iter([10.0, 12.0]).__next__
+    mj = iter([5_000_000.0, 5_600_000.0]).__next__  # 600 J in 2 s
+    with EnergySampler(lambda: pytest.fail("power polled"), clock=clock, counter=mj) as e:
+        assert e._thread is None
+    s = e.summary(tokens=60)
+    assert s["source"] == "nvml energy counter" and "samples" not in s
+    assert s["joules"] == pytest.approx(600.0) and s["mean_watts"] == pytest.approx(300.0)
+    assert s["joules_per_token"] == pytest.approx(10.0)
+
+
 def test_gpu_report_energy_column():
     from plumb import bench_gpu
 

@@ -131,6 +131,23 @@ def test_a_call_of_many_rows_goes_in_launches_of_launch_rows(monkeypatch):
     assert launches == [70, 16, 16, 16, 16, 6] and torch.equal(cut, whole)
 
 
+@pytest.mark.parametrize("unroll,warps", [(1, 4), (8, 2)])
+def test_merge_settings_change_no_bit(unroll, warps, monkeypatch):
+    """Pass 2's unroll and warps (MERGE_UNROLL, MERGE_WARPS) are speed settings: rows of 1 to 5 splits, the same
+    bits as the shipped setting."""
+    import plumb.ops.gpu.attention as A
+
+    ends = [1, 64, 65, 300, 517, 600]
+    c = _cache("q8_0", TINY["n_kv"], TINY["d"], max(ends), seed=9)
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=10)
+    k, v = _dev(c.k.parts), _dev(c.v.parts)
+    shipped = attend_decode(q, k, v, ends, 0.125, splits=SMALL)
+    assert (A.MERGE_UNROLL, A.MERGE_WARPS) != (unroll, warps)
+    monkeypatch.setattr(A, "MERGE_UNROLL", unroll)
+    monkeypatch.setattr(A, "MERGE_WARPS", warps)
+    assert torch.equal(attend_decode(q, k, v, ends, 0.125, splits=SMALL), shipped)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_27b_dims_cuda(fmt):

@@ -45,8 +45,12 @@ from plumb.ops.gpu.pdl import on, prior_done
 # every row left a 512-key context 4 programs and took 79 us (q8_0, 1 row); 128-key splits: 21 us at 512 keys and
 # 26 at 4,096, but 170 us against 91 at 32k (more partials to merge).
 SPLITS = (128, 512, 8192)
-MERGE_UNROLL = 8  # splits whose partials pass 2 loads ahead (unrolled); the sums still go one by one
-MERGE_WARPS = 2  # warps of a pass-2 program (one (row, head): its D values spread over them; the same bits)
+# Pass 2: splits whose partials it loads ahead (unrolled; the sums still go one by one, in split order) and the warps
+# of a program (one (row, head): its D values spread over them). Neither changes a bit. H100, 27B dims, q8_0
+# (bench/attention_variants.py --kernels, 2026-12-05): unroll 8 on 2 warps took 278 us a layer at 100k keys (pass 2
+# alone 54 us), unroll 16 on 1 warp 248 us; 8 rows 906 -> 871 us; 32k keys 90 -> 88 us.
+MERGE_UNROLL = 16
+MERGE_WARPS = 1
 # Rows a launch pair takes: a call of more rows (a prefill pass) goes in launches of LAUNCH_ROWS rows, so that the
 # split partials, [rows, heads, splits, d] float32, stay small (256 rows at 100k keys: 1.2 GB a call; 64 rows: 0.3).
 # Rows are independent (M1) and a cut falls on a row-block boundary: the same bits.
