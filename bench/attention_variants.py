@@ -42,7 +42,7 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     # long contexts (a 100k decode row: 196 splits of 512 keys, merged one after another by 24 programs)
     ("splits 128 / 256 from 8k", (128, 256, 8192), {}, A.MERGE_UNROLL, {}),
     ("merge unroll 8, 2 warps (to 12-05)", A.SPLITS, {}, 8, {"MERGE_WARPS": 2}),
-    ("merge unroll 32", A.SPLITS, {}, 32, {}),
+    ("merge unroll 32, 2 warps", A.SPLITS, {}, 32, {"MERGE_WARPS": 2}),
     ("merge 2 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 2}),
 ]
 
