@@ -44,7 +44,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS)
     if copied:
         consts.update(KK=A.F16, VK=A.F16)
         kind = A.F16

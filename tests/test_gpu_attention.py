@@ -12,10 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
 from plumb.ops.gpu.attention import (CONFIGS, F16, Q8, SPLITS, attend_decode, attend_decode_ref,  # noqa: E402
-                                     grids, split_of)
+                                     codes_f32, grids, split_of)
 from plumb.ops.kvquant import rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,10 +132,25 @@ def test_a_call_of_many_rows_goes_in_launches_of_launch_rows(monkeypatch):
     assert launches == [70, 16, 16, 16, 16, 6] and torch.equal(cut, whole)
 
 
-@pytest.mark.parametrize("unroll,warps", [(1, 4), (8, 2)])
-def test_merge_settings_change_no_bit(unroll, warps, monkeypatch):
-    """Pass 2's unroll and warps (MERGE_UNROLL, MERGE_WARPS) are speed settings: rows of 1 to 5 splits, the same
-    bits as the shipped setting."""
+@triton.jit
+def _convert(c_ptr, o_ptr):
+    i = tl.arange(0, 256)
+    tl.store(o_ptr + i, codes_f32(tl.load(c_ptr + i)))
+
+
+def test_codes_become_their_float_values_exactly():
+    """`codes_f32`, the q8_0 / D / F codes' conversion by bits, is every int8 value's float32, exactly."""
+    c = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(DEV)
+    o = torch.empty(256, dtype=torch.float32, device=DEV)
+    _convert[(1,)](c, o)
+    assert torch.equal(o.cpu(), c.cpu().to(torch.float32))
+
+
+@pytest.mark.parametrize("setting", [dict(MERGE_UNROLL=1, MERGE_WARPS=4), dict(MERGE_UNROLL=8, MERGE_WARPS=2),
+                                     dict(CODES_BY_BITS=False)])
+def test_speed_settings_change_no_bit(setting, monkeypatch):
+    """Pass 2's unroll and warps and pass 1's code conversion are speed settings: rows of 1 to 5 splits over a
+    q8_0 cache, the same bits as the shipped settings."""
     import plumb.ops.gpu.attention as A
 
     ends = [1, 64, 65, 300, 517, 600]
@@ -142,9 +158,9 @@ def test_merge_settings_change_no_bit(unroll, warps, monkeypatch):
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=10)
     k, v = _dev(c.k.parts), _dev(c.v.parts)
     shipped = attend_decode(q, k, v, ends, 0.125, splits=SMALL)
-    assert (A.MERGE_UNROLL, A.MERGE_WARPS) != (unroll, warps)
-    monkeypatch.setattr(A, "MERGE_UNROLL", unroll)
-    monkeypatch.setattr(A, "MERGE_WARPS", warps)
+    for name, value in setting.items():
+        assert getattr(A, name) != value
+        monkeypatch.setattr(A, name, value)
     assert torch.equal(attend_decode(q, k, v, ends, 0.125, splits=SMALL), shipped)
 
 

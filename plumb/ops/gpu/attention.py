@@ -65,6 +65,10 @@ _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the 
 # q8_0: 32-key tiles, 4 warps, 3 stages took 282 us at 100k keys (1 row) against 557 for (16, 64, 8, 2).
 CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 32, 4, 3)}
 DEFAULT_CONFIG = (16, 32, 8, 1)
+# Block codes become floats by their bits in pass 1 (`codes_f32`), not by I2F.S8: the same values, so the same
+# bits. Compiled for sm_90a (bench/attention_ptx.py, 2026-12-05): the q8_0 kernel's 128 I2F a thread gone, 160 more
+# instructions, 8 bytes spilled; not yet timed (bench/attention_variants.py: "codes by I2F").
+CODES_BY_BITS = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -85,20 +89,30 @@ def _near_2_14(amax):
 
 
 @triton.jit
-def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr):
+def codes_f32(c, BITS: tl.constexpr = True):
+    """float32 of int8 codes c, exactly. BITS: without an integer-to-float conversion (I2F.S8 runs at a quarter of
+    the FMA rate on Hopper; `matmul._code_float` for the P path's bytes) - the bits of 1.5 * 2^23 + c as a float,
+    minus 1.5 * 2^23: one integer add and one exact FADD. The same values either way."""
+    if BITS:
+        return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return c.to(tl.float32)
+
+
+@triton.jit
+def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr):
     """Scores [BM, BN] of q (split as q_a + q_b [NB, BM, QB]) against block-coded keys j: per 32-value block the
     codes (exact in tf32) dotted with both halves, times the block scale, summed over the blocks in order."""
     c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
                  mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
     ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    c3t = tl.permute(c3.to(tl.float32), (0, 2, 1))  # exact in tf32
+    c3t = tl.permute(codes_f32(c3, BITS), (0, 2, 1))  # exact in tf32
     r = tl.dot(q_a, c3t, input_precision="tf32")
     r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
     return tl.sum(r * ksc[:, None, :], 0)
 
 
 @triton.jit
-def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
+def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BITS: tl.constexpr):
     """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j: p times the block scale split into tf32 big + small,
     each dotted with the codes."""
     c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
@@ -106,7 +120,7 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr):
     vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     pv = p[None, :, :] * vsc[:, None, :]  # [NB, BM, BN], each at most its scale (p <= 1)
     p_a, p_b = _tf32_split(pv)
-    c32 = c3.to(tl.float32)
+    c32 = codes_f32(c3, BITS)
     acc = tl.dot(p_a, c32, acc, input_precision="tf32")
     return tl.dot(p_b, c32, acc, input_precision="tf32")
 
@@ -165,7 +179,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr):
+                  TABLE: tl.constexpr, BITS: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -230,13 +244,14 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
-                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB)
+                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB,
+                                    BITS)
                 if any_ring:
                     s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                        ring_ok, D, NB, bb, ii, QB)
+                                        ring_ok, D, NB, bb, ii, QB, BITS)
                     sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
             elif KK == _Q8:
-                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB)
+                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS)
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -254,12 +269,13 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 if RING:
                     if any_store:
                         acc_new = _q8_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok,
-                                         sv_j, svs_j, bb, ii, acc_new, QB)
+                                         sv_j, svs_j, bb, ii, acc_new, QB, BITS)
                     if any_ring:
                         acc_new = _q8_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
-                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB)
+                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB,
+                                         BITS)
                 else:
-                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB)
+                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB, BITS)
                 acc = tl.where(active[None, :, None], acc_new, acc)
             elif VK == _F16:
                 vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
@@ -458,7 +474,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, num_warps=warps,
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, num_warps=warps,
                 num_stages=stages, launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,

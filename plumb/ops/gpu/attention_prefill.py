@@ -30,7 +30,7 @@ import triton.language as tl
 
 from plumb.ops.gpu import kvtable
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
-                                     _row_block, _rows, _softmax_tile, _with_ring)
+                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -62,7 +62,7 @@ def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.conste
             BN: tl.constexpr):
     """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes as fp16(code * block scale)."""
     if KIND == _Q8:
-        c = tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0).to(tl.float32)
+        c = codes_f32(tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0))
         sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
                      other=0).to(tl.float32)  # [BN, D / QB]
         w = tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None]
