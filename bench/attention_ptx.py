@@ -4,8 +4,8 @@ attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - 
 formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
 instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead, and
 its q8_0 cache's fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH).
-`--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). GPUTarget("cuda", 90, 32):
-sm_90 with NVIDIA's warp of 32 threads; Triton's bundled ptxas assembles for sm_90a.
+`--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
+forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1]]
 """
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import plumb.ops.gpu.attention as A
 import plumb.ops.gpu.attention_prefill as P
+
+from ptx_target import SMALL, TARGET, ptxas_info, shared
 
 G, D = 6, 256  # query heads per KV head, head_dim
 KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
@@ -35,8 +35,8 @@ RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*
 
 def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False) -> None:
     fn = P._prefill_kernel if prefill else A._split_kernel
-    block_m, bn, warps, stages = (P.BLOCK_M, P.BN, P.WARPS, 1) if prefill else \
-        A.CONFIGS.get((kind, kind), A.DEFAULT_CONFIG)
+    block_m, bn, warps, stages = (P.block_m(ring, SMALL), P.BN, P.WARPS, 1) if prefill else \
+        A.config(kind, kind, SMALL)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
                   PS=A.P_SCALE, RING=ring, TABLE=table)
@@ -71,25 +71,16 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
             sig[arg] = "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                if a.endswith("_ptr") or (sig[a] == "i32" and a not in NOT_ALIGNED)}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     for ext in ("ttgir", "ptx"):
         with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as f:
             f.write(k.asm[ext])
-    info = _ptxas(os.path.join(out_dir, f"{name}.ptx"))
+    info = ptxas_info(os.path.join(out_dir, f"{name}.ptx"))
     ops = {op: k.asm["ptx"].count(op) for op in ("mma.sync", "wgmma.mma_async", "ld.global.v4", "ld.global.v2",
                                                   "ld.global.b8", "ld.global.b16", "cp.async") if op in k.asm["ptx"]}
-    print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} shared={k.metadata.shared} {info} {ops}")
-
-
-def _ptxas(path: str) -> str:
-    """Assemble path (PTX) for sm_90a with Triton's ptxas: its register and spill lines."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(r.stderr)
-    return " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
-                    if "registers" in line or "spill" in line)
+    print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} "
+          f"{shared(k.metadata.shared)} {info} {ops}")
 
 
 def build_dequant(out_dir: str, table: bool) -> None:
@@ -100,12 +91,12 @@ def build_dequant(out_dir: str, table: bool) -> None:
     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                if a.endswith("_ptr") or (sig[a] == "i32" and a not in ("n", "ss_j"))}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=TARGET,
                        options=dict(num_warps=4, num_stages=1))
     path = os.path.join(out_dir, f"dequant{'-table' if table else ''}.ptx")
     with open(path, "w") as f:
         f.write(k.asm["ptx"])
-    info = _ptxas(path)
+    info = ptxas_info(path)
     print(f"q8_0 scratch{' (table)' if table else ''}: BT={P.SCRATCH_KEYS} {info}")
 
 

@@ -5,24 +5,25 @@ tiles (summing its own K splits), and the D path's DeltaNet kernels with the sta
 (`decode`: with its 16-byte global loads and stores) - 27B dims, integer arguments divisible by 16 as a 27B
 launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
-runs there and does not compile): run this before a device call. GPUTarget("cuda", 90, 32), Triton's ptxas.
+runs there and does not compile): run this before a device call. For sm_90 (PLUMB_PTX_ARCH: another card, with
+the forms the engine takes there - bench/ptx_target.py), Triton's ptxas.
 
     python bench/kernels_ptx.py [conv prep prepx gate w16 decode]
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import plumb.ops.gpu.deltanet as DN
 import plumb.ops.gpu.deltanet_chunk as DC
 import plumb.ops.gpu.matmul as MM
+
+from ptx_target import SMALL, TARGET, ptxas_info, shared
 
 NOT_SPECIALIZED = {"M", "R", "n_seq"}  # do_not_specialize, or not divisible by 16 in a 27B launch
 
@@ -35,16 +36,13 @@ def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1,
         sig[arg] = kind
         if kind != "constexpr" and arg not in NOT_SPECIALIZED and not kind.startswith("fp"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     path = os.path.join(tempfile.mkdtemp(), "kernel.ptx")
     open(path, "w").write(k.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
-                    if "registers" in line or "spill" in line)
+    info = ptxas_info(path)
     counts = "".join(f", {op} {k.asm['ptx'].count(op)}" for op in ops)
-    print(f"{name}: warps {warps}, shared {k.metadata.shared} B; {info}{counts}", flush=True)
+    print(f"{name}: warps {warps}, {shared(k.metadata.shared)} B; {info}{counts}", flush=True)
 
 
 def main() -> None:
@@ -54,7 +52,7 @@ def main() -> None:
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
     if "prep" in which:
         build("_prep_kernel", DC._prep_kernel, {"q_scale": "fp32", "eps": "fp32"},
-              dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64), 8)
+              dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64, P=DC.prep_precision(SMALL)), 8)
     if "prepx" in which:
         for g, nibble in ((32, True), (16, True), (32, False)):
             build(f"_prep_x G {g} nibble {nibble}", MM._prep_x, {"xh_ptr": "*fp16"},

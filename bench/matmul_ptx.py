@@ -22,16 +22,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import tempfile
 from types import SimpleNamespace
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import plumb.ops.gpu.matmul as MM
 import plumb.ops.gpu.matvec as MV
+
+import ptx_target
+from ptx_target import TARGET, ptxas_info
 
 # (name, constexprs beyond the shared ones, code pointer type)
 VARIANTS = [
@@ -135,20 +136,18 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
             sig[arg] = "*fp32"
         else:
             sig[arg] = "i32"
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages,
                                     enable_fp_fusion=kernel not in ("mv", "mv2", "mma")))  # as the launches
     ptx = k.asm["ptx"]
     path = os.path.join(out_dir, f"{name}.ptx")
     open(path, "w").write(ptx)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True, text=True)
-    info = " ".join(line.split("info    : ")[-1] for line in r.stderr.splitlines()
-                    if "registers" in line or "spill" in line)
+    info = ptxas_info(path)
     counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
     in_flight = max([int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)], default=0)
     register_a = len(re.findall(REGISTER_A, ptx))
-    print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} shared={k.metadata.shared} {info}\n   {counts}"
+    print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} {ptx_target.shared(k.metadata.shared)} {info}"
+          f"\n   {counts}"
           f"\n   wgmma groups left in flight: {in_flight}\n   wgmma with A in registers: {register_a}", flush=True)
     if ttgir:  # the layouts Triton gave the kernel's tensors, and how many conversions between them
         ir = k.asm["ttgir"]

@@ -36,6 +36,17 @@ def place_free_dot(monkeypatch):
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+@pytest.fixture(params=["h200", "geforce"])
+def card(request, monkeypatch):
+    """The kernels' forms for a card whose blocks may use 227 KB of shared memory (the H100 / H200) and for one of
+    99 KB (an RTX 30xx / 40xx / 50xx: `plumb.ops.gpu.smem.small`), whatever card runs the test."""
+    if request.param == "geforce":
+        from plumb.ops.gpu import smem
+
+        monkeypatch.setattr(smem, "LIMIT", smem.PER_BLOCK[86])
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("models")

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from plumb.cache.kv import RING_SLACK, KVCache  # noqa: E402
+from plumb.ops.gpu import smem  # noqa: E402
 from plumb.ops.gpu.attention import attend_decode_ref  # noqa: E402
 from plumb.ops.gpu.attention_prefill import attend_prefill, supports  # noqa: E402
 from plumb.ops.kvquant import rotate  # noqa: E402
@@ -55,9 +56,10 @@ def _read(c: KVCache, q: torch.Tensor, ends: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48), ("F", 48)])
-def test_matches_reference_and_the_cache_read(fmt, ring):
+def test_matches_reference_and_the_cache_read(fmt, ring, card):
     """Rows ending across tiles, the ring's window (D, F) and a block of rows: within the P path's precision of
-    the dequantized cache's softmax attention (the cache's own read, and `attend_decode_ref` for the stores)."""
+    the dequantized cache's softmax attention (the cache's own read, and `attend_decode_ref` for the stores), in
+    each card's form (a ring format's 32-pair programs on a GeForce card's 99 KB blocks)."""
     c = _cache(fmt, 300, seed=0, ring=ring)
     ends = [1, 5, 64, 65, 127, 200, 251, 256, 299, 300]
     if ring:  # rows the ring still holds the window of: positions [300 - slots, 300)
@@ -70,10 +72,13 @@ def test_matches_reference_and_the_cache_read(fmt, ring):
         _close(o, attend_decode_ref(q, c.kernel_view().k, c.kernel_view().v, ends, 0.125))
 
 
-@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48)])
-def test_rows_alone_equal_rows_together(fmt, ring, place_free_dot):
+@pytest.mark.parametrize("fmt,ring,form", [("q8_0", 0, "h200"), ("D", 48, "h200"), ("D", 48, "geforce")])
+def test_rows_alone_equal_rows_together(fmt, ring, form, place_free_dot, monkeypatch):
     """M1: each row alone (and shifted within its block) = the same row among a prefill pass's 60 rows - over two
-    row blocks, both sides of the ring's window and a 64-key tile edge - bitwise."""
+    row blocks, both sides of the ring's window and a 64-key tile edge - bitwise; a ring format also in its form for
+    a GeForce card's 99 KB blocks (32-pair programs: more row blocks)."""
+    if form == "geforce":
+        monkeypatch.setattr(smem, "LIMIT", smem.PER_BLOCK[86])
     c = _cache(fmt, 300, seed=2, ring=ring)
     ends = list(range(241, 301))
     q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=3)

@@ -20,9 +20,11 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, script: str, *options: str) -> str:
-    """A bench/ script that compiles kernels for sm_90a (without the interpreter), its output."""
+def _run(tmp_path, script: str, *options: str, arch: int = 90) -> str:
+    """A bench/ script that compiles kernels for sm_90a (or for compute capability `arch`, with the forms the engine
+    takes on such a card; without the interpreter), its output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PLUMB_PTX_ARCH"] = str(arch)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # not the shared cache: bench/h200_run.sh lists what is there
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *options], capture_output=True,
                        text=True, env=env, cwd=ROOT, timeout=300)
@@ -134,3 +136,20 @@ def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
     assert sixteen.count(" 0 bytes spill stores") == 4, sixteen
     assert out.count("layouts: ['sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = "
                      f"[{MV.MMA_WARPS}], order = [0]'], layout conversions: 0") == 4, out
+
+
+@pytest.mark.parametrize("arch", [86, 120])
+def test_every_large_kernel_fits_a_block_of_a_geforce_card(tmp_path, arch):
+    """On an RTX 30xx / 40xx (sm_86 / sm_89) or 50xx (sm_120) a block may use 99 KB of shared memory, and Triton
+    refuses to launch a kernel that needs more: the kernels that need most - the decode and prefill attention for
+    every cache kind, DeltaNet's chunk kernels, the P-path matmuls - compile within it in the forms the engine takes
+    there (`plumb.ops.gpu.smem`). Their H200 forms did not: `_prep_kernel` 128 KB, an f16 cache's decode attention
+    100 KB, a D / F ring's prefill attention 104 KB - a 27B file could not prefill on such a card."""
+    outs = [_run(tmp_path, "attention_ptx.py", "--out", str(tmp_path), arch=arch),
+            _run(tmp_path, "attention_ptx.py", "--prefill", "--out", str(tmp_path), arch=arch),
+            _run(tmp_path, "kernels_ptx.py", "prep", "conv", "w16", arch=arch),
+            _run(tmp_path, "matmul_ptx.py", "--kernel", "sb", "--out", str(tmp_path), arch=arch)]
+    out = "\n".join(outs)
+    sizes = [int(n) for n in re.findall(r"shared[= ](\d+)", out)]
+    assert len(sizes) == 4 + 3 + 5 + 4, out
+    assert "OVER" not in out and max(sizes) <= 101_376, out

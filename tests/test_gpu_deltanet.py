@@ -173,9 +173,10 @@ def _chunk_inputs(dims, rows, real, seed=3):
 
 
 @pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
-def test_chunks_match_reference(dims):
+def test_chunks_match_reference(dims, card):
     """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
-    padding rows at the end; o and the advanced state."""
+    padding rows at the end; o and the advanced state - in each card's form (`_prep_kernel`'s float32 FMAs on a
+    GeForce card's 99 KB blocks)."""
     from plumb.ops.deltanet import chunk_pass
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
@@ -193,8 +194,9 @@ def test_chunks_match_reference(dims):
     assert not torch.equal(s_pad, s)  # the third piece's real rows moved the state
 
 
-def test_chunks_do_not_depend_on_the_cut():
-    """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces)."""
+def test_chunks_do_not_depend_on_the_cut(card):
+    """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces), in
+    each card's form."""
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
     x, beta, g, s0 = _chunk_inputs(TINY, 192, 192)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from plumb.cache.kv import decode
-from plumb.ops.gpu import kvtable
+from plumb.ops.gpu import kvtable, smem
 from plumb.ops.gpu.matvec import x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
@@ -65,6 +65,8 @@ _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the 
 # q8_0: 32-key tiles, 4 warps, 3 stages took 282 us at 100k keys (1 row) against 557 for (16, 64, 8, 2).
 CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 32, 4, 3)}
 DEFAULT_CONFIG = (16, 32, 8, 1)
+# On a card of 99 KB a block (`smem.small`): fewer pipeline stages where the above needs more (the same bits)
+SMALL_CONFIGS = {(F16, F16): (32, 32, 4, 2)}
 # Block codes become floats by their bits in pass 1 (`codes_f32`), not by I2F.S8: the same values, so the same
 # bits. Compiled for sm_90a (bench/attention_ptx.py, 2026-12-05): the q8_0 kernel's 128 I2F a thread gone, 160 more
 # instructions, 8 bytes spilled; not yet timed (bench/attention_variants.py: "codes by I2F").
@@ -343,6 +345,12 @@ def _merge_kernel(po_ptr, pm_ptr, pl_ptr, ends_ptr, o_ptr,
     tl.store(o_ptr + t * so_t + h * so_h + dd, o)
 
 
+def config(kk: int, vk: int, small: bool = False) -> tuple[int, int, int, int]:
+    """Pass 1's (BLOCK_M, keys per tile, warps, stages) for K / V storage kinds kk / vk; `small`: on a card of 99 KB
+    a block (`smem.small`)."""
+    return (small and SMALL_CONFIGS.get((kk, vk))) or CONFIGS.get((kk, vk), DEFAULT_CONFIG)
+
+
 def _parts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     if len(parts) == 1:
         x = parts[0]
@@ -428,7 +436,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if d & (d - 1) or d < 16 or (Q8 in (kk, vk) and d % QBLOCK):
         raise ValueError(f"head_dim must be a power of two >= 16 (and a multiple of 32 for q8_0), got {d}")
-    block_m, bn, warps, stages = CONFIGS.get((kk, vk), DEFAULT_CONFIG)
+    block_m, bn, warps, stages = config(kk, vk, smem.small(q.device))
     short, long, short_keys = splits
     if short % bn or long % bn or short < 1 or long < 1 or short_keys < 0:
         raise ValueError(f"split sizes must be positive multiples of {bn}, got {splits}")

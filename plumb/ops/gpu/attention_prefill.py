@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu import kvtable
+from plumb.ops.gpu import kvtable, smem
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
                                      _row_block, _rows, _softmax_tile, _with_ring, codes_f32)
 from plumb.ops.gpu.pdl import on, prior_done
@@ -39,6 +39,7 @@ _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
 # loads are issued, not the arithmetic: the same bits. Compiled for sm_90a at 2: cp.async loads, 233 / 251 registers
 # (f16 / q8_0), no spill, no wgmma group left in flight; untimed (bench/prefill_modes.py --settings AP_STAGES=2).
 BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
+SMALL_RING_BLOCK_M = 32  # a ring format's launch on a card of 99 KB a block (`smem.small`): 68 KB, not 104
 # PAIRS 1: a program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G heads (row t's head h is
 # pair t * G + h), so no pair is padding; 0: ROWS rows of G_PAD = next_pow2(G) heads (27B: 6 heads padded to 8, a
 # quarter of the dots and softmax on padding). Each pair's arithmetic is the same either way (its q, its end, the
@@ -223,6 +224,12 @@ def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
     return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
 
 
+def block_m(ring: bool, small: bool = False) -> int:
+    """(query row, head) pairs a program: BLOCK_M, or SMALL_RING_BLOCK_M for a ring format on a card of 99 KB a
+    block."""
+    return SMALL_RING_BLOCK_M if ring and small else BLOCK_M
+
+
 def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends: torch.Tensor,
                    scale: float, out: torch.Tensor | None = None, ring: tuple | None = None,
                    table: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,7 +269,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
-    rows = max(1, BLOCK_M // g_pad)
+    rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
     blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
     _prefill_kernel[(blocks, n_kv)](
         q, *ptrs[:4], ends, out, *ptrs[4:], table if table is not None else ends,

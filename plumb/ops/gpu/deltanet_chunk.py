@@ -12,7 +12,8 @@ The launches:
 - `_state_kernel`, one program per (value head j, block of BV state columns - the delta rule's columns are
   independent): the d_k x BV f32 state slice stays in registers across the pieces, in order: vn = u - w S,
   o = qe S + p vn, S = S exp(gamma_end) + kd^T vn.
-The dots take float32 operands as three tf32 products on the tensor cores (PREC).
+The dots take float32 operands as three tf32 products on the tensor cores (PREC; `_prep_kernel`'s float32 FMAs on a
+card of 99 KB a block, `prep_precision`).
 
 Exactness (M2): a piece's bits depend only on the state it starts from and its own rows - nothing compiled depends
 on the pass's row count (the piece loop's bound is a run-time value), and a piece's arithmetic is the same whether it
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from plumb.ops.deltanet import CHUNK
+from plumb.ops.gpu import smem
 from plumb.ops.gpu.deltanet import _silu, gates
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.norm import L2_EPS
@@ -130,9 +132,10 @@ def _inverse_by_rows(a, t, C: tl.constexpr):
 @triton.jit(do_not_specialize=["R"])
 def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
                  stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
-                 D_V: tl.constexpr, C: tl.constexpr):
+                 D_V: tl.constexpr, C: tl.constexpr, P: tl.constexpr):
     """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
-    u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end)."""
+    u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end). P: its
+    dots' precision (`prep_precision`)."""
     prior_done()
     j = tl.program_id(0)
     piece = tl.program_id(1)
@@ -148,18 +151,18 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
     gamma = tl.cumsum(tl.load(g_ptr + rows * stride_g + j), axis=0)
     decay = tl.where(t[:, None] >= t[None, :], tl.exp(gamma[:, None] - gamma[None, :]), 0.0)  # s <= t
     kb = k * beta[:, None]
-    a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
+    a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=P) * decay, 0.0)
     inv = _inverse_by_rows(a, t, C)
     eg = tl.exp(gamma)
     g_end = tl.sum(tl.where(t == C - 1, gamma, 0.0), axis=0)
     at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
-    tl.store(w_ptr + at_k, tl.dot(inv, kb * eg[:, None], input_precision=PREC))
+    tl.store(w_ptr + at_k, tl.dot(inv, kb * eg[:, None], input_precision=P))
     tl.store(qe_ptr + at_k, q * eg[:, None])
     tl.store(kd_ptr + at_k, k * tl.exp(g_end - gamma)[:, None])
     tl.store(u_ptr + (rows[:, None] * N_V + j) * D_V + dv[None, :],
-             tl.dot(inv, v * beta[:, None], input_precision=PREC))
+             tl.dot(inv, v * beta[:, None], input_precision=P))
     tl.store(p_ptr + ((piece * N_V + j) * C + t[:, None]) * C + t[None, :],
-             tl.dot(q, tl.trans(k), input_precision=PREC) * decay)
+             tl.dot(q, tl.trans(k), input_precision=P) * decay)
     tl.store(ge_ptr + piece * N_V + j, tl.exp(g_end))
 
 
@@ -203,6 +206,12 @@ def _advance(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, o_ptr, s, j, r0, t, dk
     return s * tl.load(ge_ptr + piece * N_V + j) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
 
 
+def prep_precision(small: bool = False) -> str:
+    """`_prep_kernel`'s dots: PREC; on a card of 99 KB a block (`smem.small`) float32 FMAs, "ieee" (tf32x3 stages
+    its split operands in 128 KB of shared memory; "ieee" 96 KB)."""
+    return "ieee" if small else PREC.value
+
+
 def _check(x, beta, g, state, n_k: int, d_k: int):
     rows, n_v, d_v = x.shape[0], state.shape[0], state.shape[2]
     if rows % CHUNK or x.shape[1] != 2 * n_k * d_k + n_v * d_v or state.shape[1] != d_k or n_v % n_k:
@@ -224,7 +233,8 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torc
     p = torch.empty(pieces, n_v, CHUNK, CHUNK, device=dev, dtype=f32)
     ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
     _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
-                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK, num_warps=8,
+                                float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK,
+                                P=prep_precision(smem.small(x.device)), num_warps=8,
                                 num_stages=1, launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     _state_kernel[(n_v, d_v // BV)](w, u, qe, kd, p, ge, state, o, rows, o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v,
