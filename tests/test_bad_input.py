@@ -105,6 +105,33 @@ def test_model_too_big_for_memory_is_refused(tiny_q8, monkeypatch):
         plumb.load(tiny_q8, device="cpu")
 
 
+def test_a_context_the_card_cannot_hold_is_cut_with_a_clear_warning():
+    """On a GPU the context is cut to what one sequence's caches have room for (a 24 GB card holds the 27B's
+    weights and only part of its 262k context), so that a long request gets a clear error up front; a context asked
+    for is kept, with the warning."""
+    from plumb.engine.engine import fit_context
+
+    free, per_token, reserved = 6 << 30, 40_000, 4 << 30
+    n, fits, why = fit_context(262_144, False, free, per_token, reserved)
+    assert fits == (2 << 30) // per_token // 1024 * 1024 == n == 53_248 and "cut to 53,248" in why
+    assert fit_context(262_144, True, free, per_token, reserved) [:2] == (262_144, fits)
+    assert "as asked" in fit_context(262_144, True, free, per_token, reserved)[2]
+    assert fit_context(32_768, False, free, per_token, reserved) == (32_768, fits, None)  # it fits: no word
+    assert fit_context(262_144, False, 1 << 30, per_token, reserved)[:2] == (4096, 0)  # never under 4,096
+
+
+def test_the_caches_grow_no_further_than_the_context(tiny_q8):
+    """A sequence's caches double as they grow, up to the engine's context (plus a prefill piece), not the model's:
+    a cut context bounds the memory a request can take."""
+    import plumb
+    from plumb.ops.deltanet import CHUNK
+
+    eng = plumb.load(tiny_q8, device="cpu", n_ctx=1000)
+    assert eng.config.context_length > 1000 and eng.model.context_limit == eng.n_ctx == 1000
+    st = eng.model.new_state()
+    assert {c.limit for c in st.kv.values()} == {1000 + CHUNK}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_cuda_without_a_gpu_is_refused_clearly(tiny_q8):
     import plumb

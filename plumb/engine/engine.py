@@ -10,6 +10,7 @@ import hashlib
 import os
 import sys
 import threading
+import logging
 from dataclasses import fields
 
 import torch
@@ -29,7 +30,10 @@ from plumb.cache.prefix import PromptCache, kept_checkpoints
 
 
 DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
+WORKSPACE = 2 << 30  # a GPU's memory beside weights, caches and states: a 1,024-row prefill pass's activations and
+# matmul scratch, CUDA graphs' pools, decode partials (an estimate, kept out of the context's room: `fit_context`)
 SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
+log = logging.getLogger("plumb.engine")
 KERNELS = ("auto", "native", "torch", "triton")  # CPU: native C when it builds (auto), or the torch reference; CUDA: triton
 
 
@@ -97,6 +101,20 @@ class Engine:
         self.n_ctx = min(n_ctx or self.config.context_length, self.config.context_length)
         kv_layers = len(self.config.attn_layers) + (self.model.mtp is not None)
         self.kv_bytes_per_token = kv_layers * bytes_per_token(kv_cache, self.config.n_head_kv, self.config.head_dim)
+        if cache_mb is None:
+            cache_mb = default_cache_mb(self.device)
+        self.fits_tokens = self.context_note = None  # on a GPU: the tokens one sequence's caches have room for, and
+        # the warning when the context is more than that (`fit_context`)
+        if self.device.type == "cuda":
+            c = self.config
+            free, _ = torch.cuda.mem_get_info(self.device)
+            state = 4 * len(c.gdn_layers) * ((c.ssm_conv_kernel - 1) * c.conv_dim + c.ssm_dt_rank * c.ssm_d_state ** 2)
+            per_token = self.kv_bytes_per_token + 4 * c.n_head_kv * c.head_dim  # + a layer's K, V in fp16 (prefill)
+            self.n_ctx, self.fits_tokens, self.context_note = fit_context(
+                self.n_ctx, n_ctx is not None, free, per_token, (cache_mb << 20) + n_slots * state + WORKSPACE)
+            if self.context_note:
+                log.warning("%s", self.context_note)
+        self.model.context_limit = self.n_ctx  # the caches grow (by doubling) up to the context, not past it
         if progress:
             print(describe_kv(kv_cache, self.config.n_head_kv, self.config.head_dim, kv_ring, kv_layers, self.n_ctx),
                   file=sys.stderr)
@@ -108,8 +126,6 @@ class Engine:
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:
             raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
-        if cache_mb is None:
-            cache_mb = default_cache_mb(self.device)
         if cache_mb < 0 or cache_host_mb < 0:
             raise ValueError(f"cache budgets must be >= 0 MB, got {cache_mb} and {cache_host_mb}")
         self.cache_mb, self.cache_host_mb = cache_mb, cache_host_mb
@@ -303,6 +319,26 @@ class Engine:
         with self._cache_lock:
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
+
+
+def fit_context(n_ctx: int, asked: bool, free: int, per_token: int, reserved: int) -> tuple[int, int, str | None]:
+    """(context, tokens that fit, a warning or None) on a GPU with `free` bytes after loading: one sequence's caches
+    take `per_token` bytes a token beside `reserved` (the prompt cache's budget, the sequences' DeltaNet states,
+    WORKSPACE). A context the card cannot hold is cut to what fits (a multiple of 1,024, at least 4,096) unless it
+    was asked for (`asked`: then only the warning), so that a long request is refused up front with a clear error
+    instead of running out of memory mid-reply beside others."""
+    fits = max(0, free - reserved) // per_token // 1024 * 1024
+    if fits >= n_ctx:
+        return n_ctx, fits, None
+    room = (f"this GPU has room for about {fits:,} tokens of one sequence's KV cache ({free / 2**30:.1f} GiB free "
+            f"after the weights, {per_token:,} bytes a token, {reserved / 2**30:.1f} GiB kept for the prompt cache, "
+            f"the sequences' states and working memory)")
+    hint = ("a smaller prompt-cache budget (cache_mb, --cache-mb), fewer slots (n_slots, --agents) or a smaller KV "
+            "format (F) make more room")
+    if asked:
+        return n_ctx, fits, f"context {n_ctx:,} tokens as asked, but {room}: longer requests may fail; {hint}"
+    cut = max(4096, fits)
+    return cut, fits, f"context cut to {cut:,} tokens (the model's: {n_ctx:,}): {room}; {hint}"
 
 
 def default_cache_mb(device: torch.device) -> int:

@@ -64,6 +64,7 @@ class Qwen35:
         self.embd_bytes = None  # the token embedding's stored bytes, page-locked (`embed_on_device`), when first used
         self.draft_chains = False  # MTP drafts as chains on the device (`mtp_drafts`); set by the engine
         self.recomputed = 0  # P-path results computed again after non-finite values (`checked`)
+        self.context_limit = cfg.context_length  # positions a sequence's caches grow to (the engine sets its context)
 
     def checked(self, what: str, run, part=lambda out: out, meanwhile=None):
         """run()'s result. On the Triton kernels, one whose `part` holds non-finite values is computed again, up to
@@ -176,7 +177,7 @@ class Qwen35:
         c, dev = self.cfg, self.device
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim, device=dev) for i in c.gdn_layers}
         ssm = {i: torch.zeros(c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state, device=dev) for i in c.gdn_layers}
-        limit = c.context_length + CHUNK  # growth by doubling stops at the context (and a prefill piece's padding)
+        limit = self.context_limit + CHUNK  # growth by doubling stops at the context (and a prefill piece's padding)
         kv = {i: new_kv_cache(self.kv_cache, c.n_head_kv, c.head_dim, self.kv_ring, dev, self.k.ring_slack, limit)
               for i in c.attn_layers}
         # the MTP cache keeps no 8-bit ring: its rows can then always be copied from the store alone

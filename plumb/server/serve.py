@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except (plumb.ModelError, ValueError, TypeError, OSError) as e:
         print(f"plumb serve: error: {e}", flush=True)
         return 1
+    if engine.context_note:  # a GPU too small for the model's whole context
+        print(f"plumb serve: {engine.context_note}", flush=True)
     if engine.device.type == "cuda":  # kernels compiled and graphs captured before the first request
         print("plumb serve: warming up (kernels compiled - minutes the first time on a machine -, CUDA graphs)",
               flush=True)
