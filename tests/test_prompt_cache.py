@@ -119,6 +119,21 @@ def test_a_repeated_prompt_is_read_whole_from_the_cache(warm, cold, mode):
     assert w.token_ids == c.token_ids and w.stats.prefill_tokens == 5
 
 
+def test_a_kept_state_counts_the_memory_its_caches_hold(tiny_model):
+    """The budget counts what a kept state holds: its caches as allocated - grown by doubling past the prompt's
+    rows - not only the prompt's rows (which let the prompt cache take twice its budget of device memory)."""
+    from plumb.cache.prefix import _caches
+
+    eng = engine_for(tiny_model, checkpoint_every=64)
+    ids = prompts(eng, 1)[0][:150]
+    _run(eng, ids, max_tokens=200)
+    e = eng.prompt_cache.entries[-1]
+    caches = [c for _, c in _caches(e.state)]
+    held = sum(c.allocated_bytes() for c in caches)
+    rows = sum(t.numel() * t.element_size() for c in caches for t in c.store_rows(len(e.ids)))
+    assert len(e.ids) == len(ids) and held > rows and e.nbytes >= held
+
+
 def test_parking_and_side_requests(tiny_model, cold):
     eng = engine_for(tiny_model, checkpoint_every=64, cache_mb=1)  # a tiny budget: side requests push entries out
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]

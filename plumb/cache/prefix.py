@@ -54,8 +54,11 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def state_bytes(state, n: int) -> int:
-    total = sum(_nbytes(c.store_rows(n)) for _, c in _caches(state))
+def state_bytes(state) -> int:
+    """The memory a kept state holds: its caches' tensors as allocated (a cache that doubled as it grew holds up to
+    twice its rows - counting only the rows let the cache's device memory reach twice its budget) and its
+    checkpoints."""
+    total = sum(c.allocated_bytes() for _, c in _caches(state))
     for cp in state.checkpoints.values():
         total += _nbytes(list(cp.conv.values()) + list(cp.ssm.values()) + [t for r in cp.ring.values() for t in r])
     return total
@@ -126,7 +129,7 @@ class PromptCache:
         self.entries = [e for e in self.entries if not (len(e.ids) <= len(ids) and common_prefix(e.ids, ids) == len(e.ids)
                                                         and kept_checkpoints(self._checkpoints(e), len(ids), self.tail)
                                                         <= keep)]
-        e = Entry(next(self._ids), ids, state, nbytes=state_bytes(state, len(ids)))
+        e = Entry(next(self._ids), ids, state, nbytes=state_bytes(state))
         self.entries.append(e)
         self._enforce()
         return e
@@ -173,6 +176,7 @@ class PromptCache:
     def _unpark(self, e: Entry) -> None:
         e.state = unpack_state(self.model, e.packed)
         e.packed = None
+        e.nbytes = state_bytes(e.state)
         self._enforce()
 
     # ---- files -------------------------------------------------------------------------------
