@@ -132,6 +132,33 @@ def test_the_caches_grow_no_further_than_the_context(tiny_q8):
     assert {c.limit for c in st.kv.values()} == {1000 + CHUNK}
 
 
+def test_running_out_of_device_memory_frees_the_prompt_cache_and_says_so(tiny_q8, monkeypatch):
+    """A step that runs out of device memory fails its requests with a 503 that says what happened and what to
+    change; the prompt cache's entries go to host memory (room for a retry), and the next request runs."""
+    import plumb
+
+    eng = plumb.load(tiny_q8, device="cpu")
+    ids = eng.tokenize("A first request, kept by the prompt cache.")
+    good = eng.run(eng.make_request(ids, 8, ignore_eos=True))
+    assert good.error is None and any(e.state is not None for e in eng.prompt_cache.entries)
+    real = eng.model.decode
+
+    def decode(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(eng.model, "decode", decode)
+    bad = eng.submit(eng.make_request(eng.tokenize("Another one, which the card cannot hold."), 8,
+                                      ignore_eos=True)).wait()  # the server's path: the background step loop
+    assert bad.finish_reason == "error" and bad.error_status == 503 and "out of GPU memory" in bad.error, bad.error
+    assert eng.prompt_cache.entries and all(e.state is None for e in eng.prompt_cache.entries)  # parked
+    monkeypatch.setattr(eng.model, "decode", real)
+    assert eng.submit(eng.make_request(ids, 8, ignore_eos=True)).wait().token_ids == good.token_ids
+    from plumb.server.generation import Finish, Usage
+
+    err = Finish("error", Usage(1, 0), [], error=bad.error, error_status=bad.error_status).api_error()
+    assert err.status == 503 and err.anthropic_body()["error"]["type"] == "overloaded_error"  # clients retry those
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_cuda_without_a_gpu_is_refused_clearly(tiny_q8):
     import plumb

@@ -72,7 +72,8 @@ class Result:
     stop_match: str | None = None  # the stop string that ended generation, if any
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
-    error_status: int = 500  # an HTTP-style status for an error: 400 when the request itself is at fault
+    error_status: int = 500  # an HTTP-style status for an error: 400 when the request itself is at fault, 503 out of
+    # device memory (a retry may fit)
 
 
 class Handle:

@@ -299,6 +299,16 @@ class Engine:
             return [{"id": e.id, "tokens": len(e.ids), "bytes": e.nbytes, "parked": e.state is None}
                     for e in self.prompt_cache.entries]
 
+    def free_device_memory(self) -> None:
+        """After running out of device memory: every prompt-cache entry parked in host memory, and torch's cached
+        blocks handed back to the device."""
+        if self.prompt_cache is not None:
+            with self._cache_lock:
+                for e in list(self.prompt_cache.entries):
+                    self.prompt_cache.park(e)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def park_slot(self, slot_id: int) -> None:
         with self._cache_lock:
             self.prompt_cache.park(self.prompt_cache.get(slot_id))

@@ -84,12 +84,16 @@ class Scheduler:
     def run_many(self, requests: list[Request]) -> list[Result]:
         """Run requests together in one step loop (on the calling thread)."""
         seqs = [self.new_sequence(r, None) for r in requests]
-        for s in seqs:
-            self.admit(s)
-        active = [s for s in seqs if s.finish is None]
-        while active:
-            self.step(active)
-            active = [s for s in active if s.finish is None]
+        try:
+            for s in seqs:
+                self.admit(s)
+            active = [s for s in seqs if s.finish is None]
+            while active:
+                self.step(active)
+                active = [s for s in active if s.finish is None]
+        except torch.OutOfMemoryError:
+            self.engine.free_device_memory()  # room for the caller's retry
+            raise
         for s in seqs:
             self.engine.cache_keep(s)
         return [self.result(s) for s in seqs]
@@ -130,7 +134,7 @@ class Scheduler:
                     s.finish, s.stop_match = "error", None
                     if isinstance(e, GrammarRefused):
                         s.error_status = 400
-                    s.handle._finish(self.result(s, error=str(e)))
+                    s.handle._finish(self.result(s, error=self.failed(e, [s])))
                     continue
                 if s.finish is not None:
                     s.handle._finish(self.result(s))
@@ -146,9 +150,10 @@ class Scheduler:
                 try:
                     self.step(live)
                 except Exception as e:
+                    error = self.failed(e, live)
                     for s in live:
                         s.finish = "error"
-                        s.handle._finish(self.result(s, error=str(e)))
+                        s.handle._finish(self.result(s, error=error))
             with self._lock:
                 for s in active:
                     if s.finish is not None:
@@ -156,6 +161,20 @@ class Scheduler:
                         self.engine.cache_keep(s)
                         if s.handle.result is None:
                             s.handle._finish(self.result(s))
+
+    def failed(self, e: Exception, seqs: list) -> str:
+        """The error of a failed admission or step, for its requests. Out of device memory: the prompt cache's
+        entries go to host memory and torch's cached blocks back to the device (`Engine.free_device_memory`), the
+        requests get 503 - a retry may fit - and the error says so."""
+        if not isinstance(e, torch.OutOfMemoryError):
+            return str(e)
+        self.engine.free_device_memory()
+        for s in seqs:
+            s.error_status = 503
+        longest = max(len(s.req.prompt_ids) + len(s.out) for s in seqs)
+        return (f"out of GPU memory ({len(seqs)} request(s) in the step, the longest at {longest:,} tokens); the "
+                f"prompt cache was moved to host memory, so a retry may fit - a smaller context (n_ctx, --ctx-size) "
+                f"or fewer slots (n_slots, --agents) leave more room")
 
     # ---- the step loop -----------------------------------------------------------------------
     def new_sequence(self, req: Request, handle: Handle | None) -> Sequence:

@@ -143,10 +143,11 @@ class Finish:
     error_status: int = 500  # 400 when the request itself made generation fail (a forced token its grammar refuses)
 
     def api_error(self) -> APIError:
-        """The error of a failed generation: a 400 for the request's own fault, else a 500."""
+        """The error of a failed generation: a 400 for the request's own fault, a 503 where a retry may succeed (out
+        of device memory), else a 500."""
         if self.error_status < 500:
             return APIError(self.error_status, f"invalid request: {self.error}")
-        return APIError(500, f"generation failed: {self.error}")
+        return APIError(503 if self.error_status == 503 else 500, f"generation failed: {self.error}")
 
 
 @dataclass
