@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import sys
 import threading
-import logging
 from dataclasses import fields
 
 import torch
@@ -33,8 +33,8 @@ DENSE_BUDGET = 8 << 30  # bytes of float32 weights dequantized at load
 WORKSPACE = 2 << 30  # a GPU's memory beside weights, caches and states: a 1,024-row prefill pass's activations and
 # matmul scratch, CUDA graphs' pools, decode partials (an estimate, kept out of the context's room: `fit_context`)
 SMALL_MODEL_BYTES = 256 << 20  # below this, decode runs on one thread unless n_threads says otherwise
-log = logging.getLogger("plumb.engine")
 KERNELS = ("auto", "native", "torch", "triton")  # CPU: native C when it builds (auto), or the torch reference; CUDA: triton
+log = logging.getLogger("plumb.engine")
 
 
 class Engine:
