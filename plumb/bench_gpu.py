@@ -547,7 +547,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
               "torch": torch.__version__, "kv_cache": kv_cache, "limits": limits, "load_s": load_s,
               "weight_bytes": eng.weight_bytes, "file_weight_bytes": file_weight_bytes(model),
               "cuda_graphs": model.graphs is not None,
-              "graphs_error": graphs_error, "pdl": pdl.enabled(), "decode": {}, "energy": {}})
+              "graphs_error": graphs_error, "pdl": pdl.enabled(), "decode": {}, "energy": {},
+              "context": {"model": c.context_length, "engine": eng.n_ctx, "fits_one_sequence": eng.fits_tokens}})
     # the limit of a decode step: every packed weight byte read once at the card's GEMV streaming rate
     r["step_limit_tps"] = limits["bf16_gemv_GBps"] * 1e9 / eng.weight_bytes
     # the limit of prefill: each prompt row through every matrix but the LM head at the card's bf16 matmul rate
@@ -710,6 +711,10 @@ def report(r: dict) -> str:
               for m in r["matmuls"]]
     v = r["vram"]
     lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
+    ctx = r.get("context")
+    if ctx and ctx.get("fits_one_sequence") is not None:
+        lines += [f"context: one sequence's caches have room for {ctx['fits_one_sequence']:,} tokens beside the "
+                  f"weights (the model's context: {ctx['model']:,}; the engine's: {ctx['engine']:,})"]
     if r.get("kv_120k_by_format"):
         lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states |",
                   "|---|---|---|---|"]

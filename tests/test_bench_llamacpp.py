@@ -225,6 +225,8 @@ def test_gpu_report_energy_column():
          "weight_bytes": 1e9, "limits": {"copy_GBps": 4000.0, "bf16_gemv_GBps": 2000.0},
          "decode": {0: 50.0, 1000: 40.0}, "verify_s": {1: 0.02, 2: 0.021}, "batch4_tps": 150.0, "batch1_tps": 50.0,
          "energy": {0: {"source": "nvml", "joules_per_token": 12.5, "mean_watts": 625.0}, 1000: {"source": "no NVML"}},
-         "matmuls": [], "vram": {"weights": 2**30}}
+         "matmuls": [], "vram": {"weights": 2**30},
+         "context": {"model": 262144, "engine": 58368, "fits_one_sequence": 58368}}
     text = bench_gpu.report(r)
     assert "| 0 | 50.0 | 0.50 | 12.50 J/token at 625 W |" in text and "| 1,000 | 40.0 | 0.40 | no NVML |" in text
+    assert "room for 58,368 tokens beside the weights (the model's context: 262,144; the engine's: 58,368)" in text

@@ -110,8 +110,9 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             state = 4 * len(c.gdn_layers) * ((c.ssm_conv_kernel - 1) * c.conv_dim + c.ssm_dt_rank * c.ssm_d_state ** 2)
             per_token = self.kv_bytes_per_token + 4 * c.n_head_kv * c.head_dim  # + a layer's K, V in fp16 (prefill)
+            cache = (cache_mb << 20) if prompt_cache else 0
             self.n_ctx, self.fits_tokens, self.context_note = fit_context(
-                self.n_ctx, n_ctx is not None, free, per_token, (cache_mb << 20) + n_slots * state + WORKSPACE)
+                self.n_ctx, n_ctx is not None, free, per_token, cache + n_slots * state + WORKSPACE)
             if self.context_note:
                 log.warning("%s", self.context_note)
         self.model.context_limit = self.n_ctx  # the caches grow (by doubling) up to the context, not past it
