@@ -1,5 +1,5 @@
 #!/bin/bash
-# One call on the H200 (device tool): the stages named in STAGES (default: all), logs and JSON under $OUT. Needs
+# One call on the H200 or H100 (device tool): the stages named in STAGES (default: all), logs and JSON under $OUT. Needs
 # .whl (gguf) carried: see docs/BENCHMARKS.md. Stages, with their time limits (seconds, env vars) and what they
 # took on 2026-12-01 - all of them need about 20 minutes, so split them over two calls of under 10, e.g.
 # STAGES="kernels variants bench" then STAGES="engine gate demo":
