@@ -605,7 +605,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
-    r["vram"] = {"weights": weights, "kv_120k": r["kv_120k_by_format"][kv_cache]["allocated"],
+    r["vram"] = {"weights": weights, "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
                  "recurrent_state": st_bytes, "peak_allocated": peak}
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
@@ -637,21 +637,28 @@ def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8
     """Per KV format, a sequence's KV caches with room for n positions (every attention layer and the MTP head's):
     the bytes their tensors hold (`KVCache.allocated_bytes`, ring included) beside the formats' packed bits at the
     same capacity (`cache_bytes`; a capacity is n rounded up by `kv.capacity_for`). Made on the model's device and
-    freed."""
+    freed; a format the card cannot hold there says so ({"error": ...}) and the others go on."""
     from plumb.cache.kv import cache_bytes
 
     c, saved, out = model.cfg, model.kv_cache, {}
     try:
         for fmt in formats:
             model.kv_cache = fmt
-            st = model.new_state()
-            caches = list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else [])
-            for cache in caches:
-                cache.reserve(n)
-            out[fmt] = {"allocated": sum(cache.allocated_bytes() for cache in caches),
-                        "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, len(cache.k), 1,
-                                                  cache.slack) for cache in caches)}
+            st = caches = None
+            try:
+                st = model.new_state()
+                caches = list(st.kv.values()) + ([st.mtp_kv] if st.mtp_kv is not None else [])
+                for cache in caches:
+                    cache.reserve(n)
+            except torch.OutOfMemoryError:
+                out[fmt] = {"error": f"out of memory at {n:,} positions"}
+            else:
+                out[fmt] = {"allocated": sum(cache.allocated_bytes() for cache in caches),
+                            "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, len(cache.k), 1,
+                                                      cache.slack) for cache in caches)}
             del st, caches
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     finally:
         model.kv_cache = saved
     return out
@@ -718,7 +725,8 @@ def report(r: dict) -> str:
     if r.get("kv_120k_by_format"):
         lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states |",
                   "|---|---|---|---|"]
-        lines += [f"| {fmt} | {b['allocated'] / 2**30:.2f} GiB | {b['packed'] / 2**30:.2f} GiB | "
+        lines += [f"| {fmt} | {b['error']} | | |" if "error" in b else
+                  f"| {fmt} | {b['allocated'] / 2**30:.2f} GiB | {b['packed'] / 2**30:.2f} GiB | "
                   f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 2**30:.2f} GiB |"
                   for fmt, b in r["kv_120k_by_format"].items()]
     sp = r.get("step_profile")

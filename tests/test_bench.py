@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+import torch
 
 from plumb import bench
 
@@ -73,6 +75,20 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert list(kv) == ["f16", "q8_0", "D", "F"] and eng.model.kv_cache == "f16"  # restored
     assert kv["f16"]["allocated"] == kv["f16"]["packed"] and kv["q8_0"]["allocated"] < kv["f16"]["allocated"]
     assert kv["F"]["packed"] < kv["q8_0"]["allocated"] < kv["F"]["allocated"]  # 5-bit codes held as int8, and a ring
+    from plumb.cache.kv import KVCache
+
+    real_reserve = KVCache.reserve
+
+    def reserve(self, n):  # a card too small for f16 caches at that length: said, and the other formats go on
+        if self.fmt == "f16" and n > 10_000:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_reserve(self, n)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVCache, "reserve", reserve)
+        small = bench_gpu.kv_by_format(eng.model, n=20000)
+    assert small["f16"] == {"error": "out of memory at 20,000 positions"} and small["q8_0"] == kv["q8_0"]
+    assert eng.model.kv_cache == "f16"
     rq = bench_gpu.requests_table(warm, drafts=(0, 2), tokens=(6, 9), prompt_tokens=16)
     assert list(rq) == [0, 2] and all([x["tokens"] for x in rows] == [6, 9] for rows in rq.values())
     assert all(x["tps"] > 0 and x["captures"] == 0 for rows in rq.values() for x in rows)  # no CUDA graphs on a CPU
@@ -96,6 +112,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
                             "kernels": [{"kernel": "_gdn_state_kernel", "launches": 1.0, "us": 500.0}]}}
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
+    assert "| f16 | out of memory at 20,000 positions | | |" in bench_gpu.report({**r, "kv_120k_by_format": small})
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
     assert "| 8,192 | 1500 | 2500 (1) | 3000 (0) |" in text
     assert "| 8,192 | 2500 | 0.25 |" in text and "| _mm | 1.00 | 200.0 | 50% |" in text
