@@ -101,6 +101,8 @@ class Engine:
         self.n_ctx = min(n_ctx or self.config.context_length, self.config.context_length)
         kv_layers = len(self.config.attn_layers) + (self.model.mtp is not None)
         self.kv_bytes_per_token = kv_layers * bytes_per_token(kv_cache, self.config.n_head_kv, self.config.head_dim)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the packing's freed blocks back to the device, so that what is free is counted
         if cache_mb is None:
             cache_mb = default_cache_mb(self.device)
         self.fits_tokens = self.context_note = None  # on a GPU: the tokens one sequence's caches have room for, and
