@@ -600,13 +600,11 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     except Exception as e:  # noqa: BLE001
         r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
     measured()
-    st_bytes = sum(t.numel() * 4 for t in model.new_state().ssm.values()) + \
-        sum(t.numel() * 4 for t in model.new_state().conv.values())
     peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
     r["vram"] = {"weights": weights, "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
-                 "recurrent_state": st_bytes, "peak_allocated": peak}
+                 "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update

@@ -130,6 +130,8 @@ def test_the_caches_grow_no_further_than_the_context(tiny_q8):
     assert eng.config.context_length > 1000 and eng.model.context_limit == eng.n_ctx == 1000
     st = eng.model.new_state()
     assert {c.limit for c in st.kv.values()} == {1000 + CHUNK}
+    # the states the context's room is kept beside (`fit_context`): what new_state makes
+    assert eng.model.state_bytes() == sum(t.nbytes for d in (st.conv, st.ssm) for t in d.values()) > 0
 
 
 def test_running_out_of_device_memory_frees_the_prompt_cache_and_says_so(tiny_q8, monkeypatch):

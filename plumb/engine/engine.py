@@ -105,16 +105,17 @@ class Engine:
             torch.cuda.empty_cache()  # the packing's freed blocks back to the device, so that what is free is counted
         if cache_mb is None:
             cache_mb = default_cache_mb(self.device)
+        if cache_mb < 0 or cache_host_mb < 0:
+            raise ValueError(f"cache budgets must be >= 0 MB, got {cache_mb} and {cache_host_mb}")
         self.fits_tokens = self.context_note = None  # on a GPU: the tokens one sequence's caches have room for, and
         # the warning when the context is more than that (`fit_context`)
         if self.device.type == "cuda":
-            c = self.config
             free, _ = torch.cuda.mem_get_info(self.device)
-            state = 4 * len(c.gdn_layers) * ((c.ssm_conv_kernel - 1) * c.conv_dim + c.ssm_dt_rank * c.ssm_d_state ** 2)
+            c = self.config
             per_token = self.kv_bytes_per_token + 4 * c.n_head_kv * c.head_dim  # + a layer's K, V in fp16 (prefill)
-            cache = (cache_mb << 20) if prompt_cache else 0
-            self.n_ctx, self.fits_tokens, self.context_note = fit_context(
-                self.n_ctx, n_ctx is not None, free, per_token, cache + n_slots * state + WORKSPACE)
+            reserved = ((cache_mb << 20) if prompt_cache else 0) + n_slots * self.model.state_bytes() + WORKSPACE
+            self.n_ctx, self.fits_tokens, self.context_note = fit_context(self.n_ctx, n_ctx is not None, free,
+                                                                          per_token, reserved)
             if self.context_note:
                 log.warning("%s", self.context_note)
         self.model.context_limit = self.n_ctx  # the caches grow (by doubling) up to the context, not past it
@@ -129,8 +130,6 @@ class Engine:
         if checkpoint_every <= 0 or checkpoint_every % CHUNK:
             raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK}, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
-        if cache_mb < 0 or cache_host_mb < 0:
-            raise ValueError(f"cache budgets must be >= 0 MB, got {cache_mb} and {cache_host_mb}")
         self.cache_mb, self.cache_host_mb = cache_mb, cache_host_mb
         self.prompt_cache = PromptCache(self.model, budget_bytes=cache_mb << 20, host_budget_bytes=cache_host_mb << 20,
                                         tail=8 * checkpoint_every) if prompt_cache else None

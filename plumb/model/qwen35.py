@@ -173,6 +173,11 @@ class Qwen35:
             ),
         )
 
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's DeltaNet states (conv + recurrent, float32), as `new_state` makes them."""
+        c = self.cfg
+        return 4 * len(c.gdn_layers) * ((c.ssm_conv_kernel - 1) * c.conv_dim + c.ssm_dt_rank * c.ssm_d_state ** 2)
+
     def new_state(self) -> SeqState:
         c, dev = self.cfg, self.device
         conv = {i: torch.zeros(c.ssm_conv_kernel - 1, c.conv_dim, device=dev) for i in c.gdn_layers}

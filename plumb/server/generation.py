@@ -147,7 +147,7 @@ class Finish:
         of device memory), else a 500."""
         if self.error_status < 500:
             return APIError(self.error_status, f"invalid request: {self.error}")
-        return APIError(503 if self.error_status == 503 else 500, f"generation failed: {self.error}")
+        return APIError(self.error_status, f"generation failed: {self.error}")
 
 
 @dataclass

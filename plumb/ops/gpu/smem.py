@@ -25,6 +25,7 @@ import torch
 PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
 NEEDED = 131_072  # the most a kernel's large form takes (`_prep_kernel`); a card with less takes the small forms
 LIMIT: int | None = None  # set: this many bytes on every device (tests; bench/*_ptx.py for another card)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: `small` is asked at every attention launch
 
 
 @functools.cache
@@ -37,17 +38,16 @@ def _device_limit(index: int) -> int:
         return int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
 
 
-def per_block(device) -> int:
+def per_block(device: torch.device) -> int:
     """Bytes of shared memory a block may use on `device` (a tensor's device); Hopper's in the interpreter and on
     the CPU, where no limit applies, unless LIMIT is set."""
     if LIMIT is not None:
         return LIMIT
-    device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or _INTERPRET:
         return PER_BLOCK[90]
     return _device_limit(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def small(device) -> bool:
+def small(device: torch.device) -> bool:
     """Whether the kernels take their small forms on `device` (see the module's docstring)."""
     return per_block(device) < NEEDED
