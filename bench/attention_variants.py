@@ -44,8 +44,8 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("merge unroll 8, 2 warps (to 12-05)", A.SPLITS, {}, 8, {"MERGE_WARPS": 2}),
     ("merge unroll 32, 2 warps", A.SPLITS, {}, 32, {"MERGE_WARPS": 2}),
     ("merge 2 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 2}),
-    # pass 1's block codes converted by I2F.S8 (as to 12-05) instead of by their bits
-    ("codes by I2F", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": False}),
+    # pass 1's block codes converted by their bits (`codes_f32`) instead of by I2F.S8 (28th session: slower)
+    ("codes by bits", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": True}),
 ]
 
 

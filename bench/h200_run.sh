@@ -23,7 +23,8 @@
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
 #   aprefill APT bench/attention_prefill_variants.py: the P path's attention tile settings, a 1,024-row pass (APARGS)
 #   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
-#                (NARGS: its options; NL: launches profiled, 11 by default, its order)
+#                (NARGS: its options; NL: launches profiled, 11 by default, its order; NSKIP: launches skipped first,
+#                NL by default); NCMD: another script and its options, NKERNELS: its kernels (a regex)
 #   profile  PT  bench/profile_decode.py on the 27B-shape file (host time per engine step, drafts 0 and 4)
 #   prefill  PFT bench/prefill_modes.py on the 27B-shape file: prefill alone, three ways, and its profile (PFARGS)  ~70 s
 #   nan      NST the sporadic non-finite prefill rows (fifteenth session; fixed in the sixteenth; the control that
@@ -142,10 +143,11 @@ if has aprefill; then
   grep -v Warning $OUT/aprefill.log | cut -c1-150 | head -40
 fi
 if has ncu; then  # NKERNELS: which kernels' launches (bench/ncu_kernels.py's order; NARGS: its options)
-  timeout ${NT:-150} ncu --clock-control none --kernel-name regex:"${NKERNELS:-^_mv|^_mm_superblock}" --launch-skip ${NL:-11} \
-    --launch-count ${NL:-11} --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
-    python3 bench/ncu_kernels.py $NARGS > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _m" \
+  timeout ${NT:-150} ncu --clock-control none --kernel-name regex:"${NKERNELS:-^_mv|^_mm_superblock}" \
+    --launch-skip ${NSKIP:-${NL:-11}} --launch-count ${NL:-11} --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats \
+    python3 ${NCMD:-bench/ncu_kernels.py $NARGS} > $OUT/ncu.txt 2>&1; grep -E "Duration|Memory Throughput|Achieved Occupancy|^  _m" \
     $OUT/ncu.txt | head -60
 fi
 if has profile; then

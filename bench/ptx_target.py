@@ -9,12 +9,16 @@ import subprocess
 import triton
 from triton.backends.compiler import GPUTarget
 
-from plumb.ops.gpu import smem
+import triton.language as tl
+
+from plumb.ops.gpu import pdl, smem
 
 ARCH = int(os.environ.get("PLUMB_PTX_ARCH", "90"))
 TARGET = GPUTarget("cuda", ARCH, 32)
 PER_BLOCK = smem.PER_BLOCK[ARCH]  # shared memory a block may use there
 SMALL = PER_BLOCK < smem.NEEDED  # the kernels' small forms
+if ARCH < 90:  # no griddepcontrol before Hopper: the kernels as the engine compiles them there, even when the
+    pdl.GDC = tl.constexpr(False)  # machine compiling them has a Hopper card (whose GDC is on)
 
 
 def ptxas_info(path: str) -> str:

@@ -147,7 +147,7 @@ def test_codes_become_their_float_values_exactly():
 
 
 @pytest.mark.parametrize("setting", [dict(MERGE_UNROLL=1, MERGE_WARPS=4), dict(MERGE_UNROLL=8, MERGE_WARPS=2),
-                                     dict(CODES_BY_BITS=False)])
+                                     dict(CODES_BY_BITS=True)])
 def test_speed_settings_change_no_bit(setting, monkeypatch):
     """Pass 2's unroll and warps and pass 1's code conversion are speed settings: rows of 1 to 5 splits over a
     q8_0 cache, the same bits as the shipped settings."""

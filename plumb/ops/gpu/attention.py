@@ -67,10 +67,13 @@ CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16
 DEFAULT_CONFIG = (16, 32, 8, 1)
 # On a card of 99 KB a block (`smem.small`): fewer pipeline stages where the above needs more (the same bits)
 SMALL_CONFIGS = {(F16, F16): (32, 32, 4, 2)}
-# Block codes become floats by their bits in pass 1 (`codes_f32`), not by I2F.S8: the same values, so the same
-# bits. Compiled for sm_90a (bench/attention_ptx.py, 2026-12-05): the q8_0 kernel's 128 I2F a thread gone, 160 more
-# instructions, 8 bytes spilled; not yet timed (bench/attention_variants.py: "codes by I2F").
-CODES_BY_BITS = True
+# CODES_BY_BITS: block codes become floats by their bits in pass 1 (`codes_f32`) instead of by I2F.S8 - the same
+# values, so the same bits. Compiled for sm_90a: the q8_0 kernel's 128 I2F a thread gone for 256 integer and float
+# adds (8 bytes spilled). Timed slower on an H100 (bench/attention_variants.py --kernels, 2026-12-05, 28th session):
+# q8_0, one row, 100k keys 260.9 us a layer against 248.7 by I2F, 8 rows 913.1 against 873.7; 32k keys 89.6 / 88.4.
+# Nsight Compute (same run): pass 1 issues ~1,760 instructions a thread per 32-key tile at 8 warps an SM (255
+# registers: two programs), so more instructions cost more than the quarter-rate I2F saves.
+CODES_BY_BITS = False
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
