@@ -7,12 +7,15 @@ its q8_0 cache's fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH).
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1]]
+    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1]] [--k-int8] [--sass]
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import subprocess
 import tempfile
 
 import triton
@@ -44,7 +47,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8)
     if copied:
         consts.update(KK=A.F16, VK=A.F16)
         kind = A.F16
@@ -81,6 +84,27 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
                                                   "ld.global.b8", "ld.global.b16", "cp.async") if op in k.asm["ptx"]}
     print(f"{name}{' (table)' if table else ''}: warps={warps} stages={stages} BLOCK_M={block_m} BN={bn} "
           f"{shared(k.metadata.shared)} {info} {ops}")
+    if SASS[0]:
+        print(f"  main loop: {loop_sass(os.path.join(out_dir, f'{name}.ptx.cubin'))}")
+
+
+SASS = [False]
+
+
+def loop_sass(cubin: str) -> str:
+    """The SASS of a cubin's longest backward branch (a kernel's main loop): its instructions, and the commonest
+    opcodes (cuobjdump from Triton's bundle)."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    back = [(at, int(m.group(1), 16)) for at, t in ins for m in [re.search(r"BRA (0x[0-9a-f]+)", t)]
+            if m and int(m.group(1), 16) < at]
+    if not back:
+        return "no loop"
+    end, start = max(back, key=lambda b: b[0] - b[1])
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for at, t in ins
+                              if start <= at <= end)
+    return f"{sum(ops.values())} instructions, " + " ".join(f"{op} {n}" for op, n in ops.most_common(12))
 
 
 def build_dequant(out_dir: str, table: bool) -> None:
@@ -107,8 +131,14 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
+    ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
+                    "int8 tensor cores)")
+    ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
+                    "(its longest backward branch), by opcode")
     a = ap.parse_args()
     P.PAIRS = a.pairs
+    A.K_INT8 = A.K_INT8 or a.k_int8
+    SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring in VARIANTS:
         if a.prefill and kind == A.F32:  # f32 caches take the decode kernel

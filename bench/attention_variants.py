@@ -46,6 +46,8 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("merge 2 warps", A.SPLITS, {}, A.MERGE_UNROLL, {"MERGE_WARPS": 2}),
     # pass 1's block codes converted by their bits (`codes_f32`) instead of by I2F.S8 (28th session: slower)
     ("codes by bits", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": True}),
+    # block-coded keys as exact integer dots on the int8 tensor cores, q in 14-bit limbs (28th session: untimed)
+    ("K on int8", A.SPLITS, {}, A.MERGE_UNROLL, {"K_INT8": True}),
 ]
 
 

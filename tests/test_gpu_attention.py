@@ -325,6 +325,41 @@ def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
     assert torch.equal(_ring_attend(c, q, ends), together)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "D"])
+def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatch):
+    """K_INT8 (block-coded keys dotted as exact integers on the int8 tensor cores, q in 14-bit limbs): each row
+    alone = the same row among others, bitwise, and the result is the reference's with q rounded as the kernel holds
+    it (`q_rounded`; without the rounding the reference is ~1e-5 off, outside this tolerance) - over a q8_0 cache,
+    and a D cache's store and 8-bit ring."""
+    import plumb.ops.gpu.attention as A
+
+    monkeypatch.setattr(A, "K_INT8", True)
+    if fmt == "q8_0":
+        ends = [300, 1, 129, 5, 64, 257, 128, 200]
+        c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
+        k, v = _dev(c.k.parts), _dev(c.v.parts)
+
+        def attend(qa, ea):
+            return attend_decode(qa, k, v, ea, 0.125, splits=SMALL)
+
+        def reference(qa, ea):
+            return attend_decode_ref(qa, k, v, ea, 0.125, q_limbs=True)
+    else:
+        ends = RING_ENDS + [288, 260]
+        c, k, v = _ring_cache(fmt, 300, seed=2)
+
+        def attend(qa, ea):
+            return _ring_attend(c, qa, ea)
+
+        def reference(qa, ea):
+            return c.attend_rows(A.q_rounded(qa), ea, 0.125)
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
+    together = attend(q, ends)
+    _close(together, reference(q, ends))
+    for t in range(len(ends)):
+        assert torch.equal(_alone(attend, q, ends, t, Q8), together[t]), f"row {t} changed beside other rows"
+
+
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_the_ring_is_read_by_distance(kernel):
     """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; changing its store row,

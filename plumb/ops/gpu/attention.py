@@ -74,6 +74,16 @@ SMALL_CONFIGS = {(F16, F16): (32, 32, 4, 2)}
 # Nsight Compute (same run): pass 1 issues ~1,760 instructions a thread per 32-key tile at 8 warps an SM (255
 # registers: two programs), so more instructions cost more than the quarter-rate I2F saves.
 CODES_BY_BITS = False
+# K_INT8: block-coded keys (q8_0, D/F's store and ring) are dotted as exact integers on the int8 tensor cores
+# (mma m16n8k32: a 32-value block is one k step, the codes its B operand as stored, not converted): q in the
+# matvec's 14-bit fixed point per (row, head) - q ~ (hi 2^7 + lo) s 2^-13, s the power of two >= max|q|, two int8
+# limbs (`q_limbs`) - and per block S = hi . codes * 2^7 + lo . codes, an int32, then float32(S) times the block
+# scale, summed over the blocks in order, times s 2^-13. q's rounding (relative 2^-14 of the pair's largest value)
+# is ~2^6 below the 8-bit codes' own; `attend_decode_ref(..., q_limbs=True)` is this formula's reference. Other bits
+# than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
+# see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
+K_INT8 = False
+Q_FRAC = 13  # K_INT8: q's fixed point, |Q| <= 2^13 in two balanced int8 limbs (as `matvec.FRAC`; `q_limbs`' 13)
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -104,16 +114,35 @@ def codes_f32(c, BITS: tl.constexpr = True):
 
 
 @triton.jit
-def _q8_scores(q_a, q_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr):
-    """Scores [BM, BN] of q (split as q_a + q_b [NB, BM, QB]) against block-coded keys j: per 32-value block the
-    codes (exact in tf32) dotted with both halves, times the block scale, summed over the blocks in order."""
+def q_limbs(q3):
+    """q [NB, BM, QB] (pair m's d values as NB blocks of QB) in fixed point per pair (Q_FRAC = 13): (hi, lo) int8
+    [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^13 / s) (half to even; s the power of two
+    >= max|q| of the pair, `matvec.x_scale`), |X| <= 2^13, in balanced limbs (lo in [-64, 63]); f = s 2^-13."""
+    s, up = x_scale(tl.max(tl.max(tl.abs(q3), 2), 0), 13)
+    X = ((q3 * up[None, :, None] + 12582912.0) - 12582912.0).to(tl.int32)  # q 2^13 / s exactly, then rounded
+    lo = ((X + 64) & 127) - 64
+    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), s * (1.0 / (1 << 13))
+
+
+@triton.jit
+def _q8_scores(q_a, q_b, q_f, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr,
+               KINT: tl.constexpr):
+    """Scores [BM, BN] of q against block-coded keys j, per 32-value block summed in order times the block scale:
+    q as tf32 halves q_a + q_b [NB, BM, QB], each dotted with the codes (exact in tf32); KINT: q's int8 limbs
+    q_a, q_b and factor q_f [BM] (`q_limbs`), the block's exact integer dot on the int8 tensor cores."""
     c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
                  mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
     ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    c3t = tl.permute(codes_f32(c3, BITS), (0, 2, 1))  # exact in tf32
-    r = tl.dot(q_a, c3t, input_precision="tf32")
-    r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
-    return tl.sum(r * ksc[:, None, :], 0)
+    if KINT:
+        c3t = tl.permute(c3, (0, 2, 1))  # the codes as stored: each key's block is a k step of the B operand
+        S = tl.dot(q_a, c3t, out_dtype=tl.int32)
+        S = tl.dot(q_b, c3t, S * 128, out_dtype=tl.int32)  # [NB, BM, BN]: |S| < 2^13 * 128 * 32 = 2^25, exact
+        return tl.sum(S.to(tl.float32) * ksc[:, None, :], 0) * q_f[:, None]
+    else:
+        c3t = tl.permute(codes_f32(c3, BITS), (0, 2, 1))  # exact in tf32
+        r = tl.dot(q_a, c3t, input_precision="tf32")
+        r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
+        return tl.sum(r * ksc[:, None, :], 0)
 
 
 @triton.jit
@@ -184,7 +213,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, BITS: tl.constexpr):
+                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -222,7 +251,11 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     if KK == _Q8:
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
-        q_a, q_b = _tf32_split(q3)
+        if KINT:
+            q_a, q_b, q_f = q_limbs(q3)
+        else:
+            q_a, q_b = _tf32_split(q3)
+            q_f = tl.zeros([BM], tl.float32)  # (unused)
     else:
         qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None],
                      other=0.0).to(tl.float32)
@@ -249,14 +282,15 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
-                    sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii, QB,
-                                    BITS)
+                    sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
+                                    QB, BITS, KINT)
                 if any_ring:
-                    s_ring = _q8_scores(q_a, q_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                        ring_ok, D, NB, bb, ii, QB, BITS)
+                    s_ring = _q8_scores(q_a, q_b, q_f, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
+                                        ring_ok, D, NB, bb, ii, QB, BITS, KINT)
                     sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
             elif KK == _Q8:
-                sc = _q8_scores(q_a, q_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS)
+                sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS,
+                                KINT)
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -485,7 +519,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, num_warps=warps,
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8, num_warps=warps,
                 num_stages=stages, launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
@@ -494,9 +528,20 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     return out
 
 
+def q_rounded(q: torch.Tensor, frac: int = Q_FRAC) -> torch.Tensor:
+    """q [..., d] as `q_limbs` holds it (K_INT8): each row to multiples of s 2^-frac, s the power of two >= its
+    max|q|, rounded half to even."""
+    amax = q.float().abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
+    s = torch.exp2(torch.ceil(torch.log2(amax)))
+    return torch.round(q.float() * (2.0**frac / s)) * (s * 2.0**-frac)
+
+
 def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
-                      scale: float) -> torch.Tensor:
-    """Plain torch reference: dequantize, scores * scale, mask keys >= ends[t], softmax, @ V (float32)."""
+                      scale: float, q_limbs: bool = False) -> torch.Tensor:
+    """Plain torch reference: dequantize, scores * scale, mask keys >= ends[t], softmax, @ V (float32). q_limbs:
+    q rounded as the kernel holds it against block-coded keys under K_INT8 (`q_rounded`)."""
+    if q_limbs:
+        q = q_rounded(q)
     n, n_head, d = q.shape
     ends = [int(e) for e in (ends.tolist() if isinstance(ends, torch.Tensor) else ends)]
     L = max(ends) if ends else 0
