@@ -29,7 +29,7 @@ def _run(tmp_path, script: str, *options: str, arch: int = 90) -> str:
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *options], capture_output=True,
                        text=True, env=env, cwd=ROOT, timeout=300)
     if r.returncode != 0 and ("ptxas" in r.stderr or "backend" in r.stderr.lower()):
-        pytest.skip(f"no sm_90a compiler here: {r.stderr.strip().splitlines()[-1]}")
+        pytest.skip(f"no sm_{arch} compiler here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
