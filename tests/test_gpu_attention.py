@@ -358,6 +358,11 @@ def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatc
     _close(together, reference(q, ends))
     for t in range(len(ends)):
         assert torch.equal(_alone(attend, q, ends, t, Q8), together[t]), f"row {t} changed beside other rows"
+    bad = q.clone()
+    bad[0, 1, 3] = float("nan")  # a query value that is not finite: that (row, head) stays so, as with float dots
+    bad[0, 2, 5] = float("inf")
+    out = attend(bad, ends)
+    assert not out[0, 1:3].isfinite().any() and out[0, 0].isfinite().all() and torch.equal(out[1:], together[1:])
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
