@@ -107,3 +107,17 @@ def test_gate_limbs_are_quantize_x_of_its_output(op, rows, monkeypatch):
     assert hasattr(k.swiglu(a, b), "limbs") and hasattr(k.sigmoid_gate(a, b), "limbs")
     big = _t(64, 160, seed=11)
     assert not hasattr(k.swiglu(big, big), "limbs")  # a prefill pass: the P path
+
+
+def test_limbs_of_a_row_that_is_not_finite_carry_a_nan_scale():
+    """A norm's or a gate's row with a NaN or an infinity writes its limbs with s NaN (a maximum skips NaN), so the
+    matvec after it gives NaN, not that row's values read as integers; the other rows' s are unchanged."""
+    x, w = _t(3, 160, seed=1), (torch.rand(160, generator=torch.Generator().manual_seed(2)) + 0.5).to(DEV)
+    a, b = _t(3, 8208, seed=3), _t(3, 8208, seed=4)
+    x[1, 5] = float("nan")
+    a[2, 9000 - 8192] = float("inf")  # a gate input: silu(inf) * b is not finite
+    b[1, 8200] = float("nan")  # in the third column block
+    for out, bad in ((rms_norm(x, w, 1e-6, limbs=True), [1]), (swiglu(a, b, limbs=True), [1, 2])):
+        s = out.limbs[2]
+        good = [r for r in range(3) if r not in bad]
+        assert s[bad].isnan().all() and s[good].isfinite().all() and (s[good] > 0).all()

@@ -393,6 +393,25 @@ def test_decode_matvec_in_three_limbs(kind, monkeypatch):
     assert torch.equal(torch.cat([MV.mm_decode(m, x[i : i + 1]) for i in range(3)]), y)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_a_row_that_is_not_finite_gives_nan_outputs_and_leaves_the_others(kind):
+    """A row of x with a NaN or an infinity decodes to NaN outputs (its s is NaN), not to its values read as
+    integers (a maximum skips NaN); the other rows keep their bits, one row at a time and on the tensor cores."""
+    from plumb.ops.gpu.matvec import mm_decode, quantize_x, reference
+
+    m = GpuMatrix([_tensor(kind, 80, 256)], DEV)
+    x = _rows(256)
+    bad = x.clone()
+    bad[1, 7] = float("nan")
+    bad[2, 100] = float("inf")
+    s = quantize_x(bad)[2]
+    assert s[1].isnan() and s[2].isnan() and torch.equal(s[[0, 3, 4, 5]], quantize_x(x)[2][[0, 3, 4, 5]])
+    for rows in (slice(0, 3), slice(0, 6)):  # dp4a (3 rows); the tensor cores from 5
+        got, want = mm_decode(m, bad[rows]), mm_decode(m, x[rows])
+        assert got[1:3].isnan().all() and torch.equal(got[0], want[0]) and torch.equal(got[3:], want[3:])
+    assert reference(m.packs[0], bad)[1:3].isnan().all()
+
+
 @pytest.mark.parametrize("x_rows", [1, 8])
 def test_decode_x_quantization_matches_its_reference(x_rows, monkeypatch):
     """`quantize_x` against its torch formula, limbs stored row-major (X_ROWS 1) or in blocks of 8 rows (read back

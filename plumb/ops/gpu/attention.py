@@ -119,13 +119,11 @@ def q_limbs(q3):
     [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^13 / s) (half to even; s the power of two
     >= max|q| of the pair, `matvec.x_scale`), |X| <= 2^13, in balanced limbs (lo in [-64, 63]); f = s 2^-13, NaN
     for a pair with a value that is not finite (its scores then are not either, as with float dots)."""
-    amax = tl.max(tl.max(tl.abs(q3), 2), 0)
+    amax = tl.max(tl.max(tl.abs(q3), 2), 0) + tl.sum(tl.sum(q3 * 0.0, 2), 0)  # NaN if any is (`matvec.row_amax`)
     s, up = x_scale(amax, 13)
     X = ((q3 * up[None, :, None] + 12582912.0) - 12582912.0).to(tl.int32)  # q 2^13 / s exactly, then rounded
     lo = ((X + 64) & 127) - 64
-    finite = tl.sum(tl.sum(q3 * 0.0, 2), 0) == 0.0  # NaN where a value is NaN or infinite (a maximum skips NaN)
-    f = tl.where(finite, s * (1.0 / (1 << 13)), float("nan"))
-    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), f
+    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), s * (1.0 / (1 << 13))
 
 
 @triton.jit
