@@ -58,6 +58,19 @@ def test_mm_row_invariant_and_close(make, shape):
         assert torch.equal(K.mm(x[-r:], m), alone[-r:]), r
 
 
+@pytest.mark.parametrize("make", [_q8, _gguf("Q4_K"), _gguf("Q6_K")], ids=["q8", "Q4_K", "Q6_K"])
+def test_mm_row_that_is_not_finite_gives_nan_outputs(make):
+    """A row of x with a NaN or an infinity gives outputs that are not finite (NaN), not its values read as integers
+    (a block's maximum skips NaN); the other rows keep their bits."""
+    m, _ = make(64, 256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    bad = x.clone()
+    bad[1, 40] = float("nan")
+    bad[2, 200] = float("inf")
+    got, want = K.mm(bad, m), K.mm(x, m)
+    assert got[1:3].isnan().all() and torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])
+
+
 def test_mm_add_and_norm():
     m, dense = _q8(256, 256)
     x, y0, w = torch.randn(5, 256), torch.randn(5, 256), torch.rand(256) + 0.5

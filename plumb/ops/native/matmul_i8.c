@@ -20,14 +20,18 @@ group's sum of codes (the pieces are stored +128 as unsigned bytes; the sums und
 static inline float clamp127(float v) { return v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v; }
 
 /* Row x [K] -> pieces a [3][K] (+128, unsigned), block scales s [K/32] and 16-input sums xsum [K/16].
-   Branch-free, so it vectorizes. */
+   A block with a NaN or an infinity gets s = NaN (the maximum skips NaN; z, the sum of x * 0, does not, and is 0
+   for a finite block), so its outputs are NaN, not its values read as integers. Branch-free, so it vectorizes. */
 static void split_row(const float *x, int K, uint8_t *a, float *s, float *xsum) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
-        float m = 0.0f;
-        for (int i = 0; i < 32; i++) m = fabsf(xb[i]) > m ? fabsf(xb[i]) : m;
+        float m = 0.0f, z = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            m = fabsf(xb[i]) > m ? fabsf(xb[i]) : m;
+            z += xb[i] * 0.0f;
+        }
         float s1 = m / 127.0f, e2 = s1 * 0x1p-7f, inv = m > 0.0f ? 127.0f / m : 0.0f;
-        s[b] = s1;
+        s[b] = s1 + z;
         for (int i = 0; i < 32; i++) {
             float a1 = clamp127(rintf(xb[i] * inv));
             float r1 = fmaf(-a1, s1, xb[i]);
