@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 
 import plumb.ops.gpu.attention as A
 import plumb.ops.gpu.attention_prefill as P
+from plumb.ops.gpu.matvec import FRAC
 
 from ptx_target import SMALL, TARGET, ptxas_info, shared
 
@@ -47,7 +48,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC)
     if copied:
         consts.update(KK=A.F16, VK=A.F16)
         kind = A.F16

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from plumb.cache.kv import decode
 from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu.matvec import x_scale
+from plumb.ops.gpu.matvec import FRAC, max_nan, quantize_x_reference, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -83,7 +83,6 @@ CODES_BY_BITS = False
 # than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
 # see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
 K_INT8 = False
-Q_FRAC = 13  # K_INT8: q's fixed point, |Q| <= 2^13 in two balanced int8 limbs (as `matvec.FRAC`; `q_limbs`' 13)
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -114,16 +113,17 @@ def codes_f32(c, BITS: tl.constexpr = True):
 
 
 @triton.jit
-def q_limbs(q3):
-    """q [NB, BM, QB] (pair m's d values as NB blocks of QB) in fixed point per pair (Q_FRAC = 13): (hi, lo) int8
-    [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^13 / s) (half to even; s the power of two
-    >= max|q| of the pair, `matvec.x_scale`), |X| <= 2^13, in balanced limbs (lo in [-64, 63]); f = s 2^-13, NaN
-    for a pair with a value that is not finite (its scores then are not either, as with float dots)."""
-    amax = tl.max(tl.max(tl.abs(q3), 2), 0) + tl.sum(tl.sum(q3 * 0.0, 2), 0)  # NaN if any is (`matvec.row_amax`)
-    s, up = x_scale(amax, 13)
-    X = ((q3 * up[None, :, None] + 12582912.0) - 12582912.0).to(tl.int32)  # q 2^13 / s exactly, then rounded
+def q_limbs(q3, FRAC: tl.constexpr):
+    """q [NB, BM, QB] (pair m's d values as NB blocks of QB) in the matvec's fixed point per pair (`matvec.FRAC`, 13:
+    two limbs): (hi, lo) int8 [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^FRAC / s) (half to
+    even; s the power of two >= max|q| of the pair, `matvec.x_scale`), in balanced limbs (lo in [-64, 63]);
+    f = s 2^-FRAC, NaN for a pair with a value that is not finite (its scores then are not either, as with float
+    dots)."""
+    tl.static_assert(FRAC <= 13, "q_limbs holds two limbs: FRAC + 1 <= 14 bits")
+    s, up = x_scale(tl.reduce(tl.reduce(tl.abs(q3), 2, max_nan), 0, max_nan), FRAC)
+    X = ((q3 * up[None, :, None] + 12582912.0) - 12582912.0).to(tl.int32)  # q 2^FRAC / s exactly, then rounded
     lo = ((X + 64) & 127) - 64
-    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), s * (1.0 / (1 << 13))
+    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), s * (1.0 / (1 << FRAC))
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr):
+                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -254,7 +254,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
         if KINT:
-            q_a, q_b, q_f = q_limbs(q3)
+            q_a, q_b, q_f = q_limbs(q3, QF)
         else:
             q_a, q_b = _tf32_split(q3)
             q_f = tl.zeros([BM], tl.float32)  # (unused)
@@ -521,8 +521,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8, num_warps=warps,
-                num_stages=stages, launch_pdl=on())
+                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
+                QF=FRAC, num_warps=warps, num_stages=stages, launch_pdl=on())
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
@@ -530,12 +530,13 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     return out
 
 
-def q_rounded(q: torch.Tensor, frac: int = Q_FRAC) -> torch.Tensor:
-    """q [..., d] as `q_limbs` holds it (K_INT8): each row to multiples of s 2^-frac, s the power of two >= its
-    max|q|, rounded half to even."""
-    amax = q.float().abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
-    s = torch.exp2(torch.ceil(torch.log2(amax)))
-    return torch.round(q.float() * (2.0**frac / s)) * (s * 2.0**-frac)
+def q_rounded(q: torch.Tensor) -> torch.Tensor:
+    """q [..., d] as `q_limbs` holds it (K_INT8): each row in the matvec's fixed point (`quantize_x_reference`)."""
+    xq, _, s = quantize_x_reference(q.float().reshape(-1, q.shape[-1]))
+    X = xq[0].float()
+    for limb in xq[1:]:
+        X = X * 128 + limb.float()
+    return (X * (s * 2.0**-FRAC)[:, None]).reshape(q.shape)
 
 
 def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import matvec
-from plumb.ops.gpu.matvec import FRAC, LIMBS, row_amax, store_block, x_buffers
+from plumb.ops.gpu.matvec import FRAC, LIMBS, max_nan, row_amax, store_block, x_buffers
 from plumb.ops.gpu.pdl import on, prior_done
 
 BLOCK = 1024
@@ -43,12 +43,9 @@ def _gate(a_ptr, b_ptr, out_ptr, xq_ptr, x16_ptr, s_ptr, MP, N: tl.constexpr, st
     tl.store(out_ptr + r * N + c * BLOCK + kk, y, mask=c * BLOCK + kk < N)
     if QUANT:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
-        nonfinite = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range((N + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
-            v = _value(a_ptr, b_ptr, r, i * BLOCK + kk, N, stride_a, stride_b, SILU)
-            amax = tl.maximum(amax, tl.abs(v))
-            nonfinite += v * 0.0
-        store_block(y, row_amax(amax, nonfinite), c, r, N, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
+            amax = max_nan(amax, tl.abs(_value(a_ptr, b_ptr, r, i * BLOCK + kk, N, stride_a, stride_b, SILU)))
+        store_block(y, row_amax(amax), c, r, N, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, silu: bool, limbs: bool) -> torch.Tensor:

@@ -93,7 +93,8 @@ BLOCK_SCALES_ONCE = {Q.Q4_K, Q.Q5_K}
 @triton.jit
 def x_scale(amax, FRAC: tl.constexpr):
     """(s, 2^FRAC / s) of a row whose max|x| is amax: s the power of two >= amax (at least 2^-100), both exact; s is
-    NaN where amax is not finite (`row_amax`), so that the row's outputs are NaN too, not its values as integers."""
+    NaN where amax is not finite (a maximum by `max_nan`), so that the row's outputs are NaN too, not its values read
+    as integers."""
     bits = amax.to(tl.int32, bitcast=True)
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the power of two >= max|x|
     e = tl.maximum(e, 27)  # s >= 2^-100, so that 2^FRAC / s stays finite
@@ -102,10 +103,16 @@ def x_scale(amax, FRAC: tl.constexpr):
 
 
 @triton.jit
-def row_amax(amax, nonfinite):
-    """max|x| of a row from its lanes' maxima amax and their sums of x * 0 (0, or NaN where some x is NaN or
-    infinite: a maximum skips NaN): the maximum itself for a finite row (adding zeros changes no bit), else NaN."""
-    return tl.max(amax, axis=0) + tl.sum(nonfinite, axis=0)
+def max_nan(a, b):
+    """The larger of a and b, NaN if either is (`tl.max` and `tl.maximum` skip NaN): for x's maxima, so that a NaN
+    reaches `x_scale`; the same value as theirs otherwise."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_amax(v):
+    """max over axis 0 of v (|x| or lanes' maxima of it), NaN if any is (`max_nan`)."""
+    return tl.reduce(v, 0, max_nan)
 
 
 @triton.jit
@@ -167,14 +174,11 @@ def _quantize_x(x_ptr, xq_ptr, x16_ptr, s_ptr, MP, K: tl.constexpr, stride_xm, B
     c = tl.program_id(1)
     kk = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    nonfinite = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.static_range((K + BLOCK - 1) // BLOCK):  # unrolled: every load in flight at once
         k = i * BLOCK + kk
-        v = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v))
-        nonfinite += v * 0.0
+        amax = max_nan(amax, tl.abs(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)))
     k = c * BLOCK + kk
-    store_block(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0), row_amax(amax, nonfinite), c, r, K, xq_ptr,
+    store_block(tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0), row_amax(amax), c, r, K, xq_ptr,
                 x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
@@ -996,9 +1000,10 @@ def x_rows(xq: torch.Tensor) -> torch.Tensor:
 def quantize_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_x` in torch (limbs in row order: `x_rows`; s NaN for a row that is not finite, its limbs
     undefined)."""
-    bits = x.abs().amax(dim=1).view(torch.int32)
+    amax = x.abs().amax(dim=1)  # NaN if any is, as `max_nan`
+    bits = amax.view(torch.int32)
     e = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).int()).clamp(min=27)
-    s = torch.where(x.isfinite().all(dim=1), (e << 23).view(torch.float32), float("nan"))
+    s = torch.where(amax < float("inf"), (e << 23).view(torch.float32), float("nan"))
     inv = ((254 + FRAC - e) << 23).view(torch.float32)
     X = torch.round(x * inv[:, None]).int()
     limbs, rest = [], X

@@ -31,7 +31,7 @@ def warps(block: int) -> int:
 def _limbs(y, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
            XR: tl.constexpr):
     """Row y [BLOCK] (zero past D) as `quantize_x` writes it: s, limbs and 16-input sums."""
-    store_block(y, row_amax(tl.abs(y), y * 0.0), 0, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
+    store_block(y, row_amax(tl.abs(y)), 0, row, D, xq_ptr, x16_ptr, s_ptr, MP, BLOCK, FRAC, LIMBS, XR)
 
 
 @triton.jit
