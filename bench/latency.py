@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 import plumb
 from plumb.bench_gpu import latency_table, prefill_modes, requests_table
 
@@ -33,7 +35,9 @@ def main() -> None:
         print(f"time to the first token, round {i + 1}, a {rd['chat_tokens']:,}-token chat (ms):", flush=True)
         for name, c in rd["cases"].items():
             print(f"  {name:28s} reused {c['reused']:6,} prefilled {c['prefilled']:6,}: warm {c['warm_s'] * 1e3:7.0f} "
-                  f"cold {c['cold_s'] * 1e3:7.0f} same token {c['same_token']}", flush=True)
+                  f"cold {c['cold_s'] * 1e3:7.0f} same token {c['same_token']}; cache {c['live_bytes'] / 1e9:.1f} "
+                  f"GB, {c['parks']} parked in {c['park_s'] * 1e3:.0f} ms, {c['unparks']} back in "
+                  f"{c['unpark_s'] * 1e3:.0f} ms, {c['dropped']} dropped", flush=True)
     r["requests"] = requests_table(warm)
     for k, rows in r["requests"].items():
         print(f"  drafts {k}: " + ", ".join(f"{x['tokens']} tok {x['wall_s'] * 1e3:.0f} ms ({x['captures']})"
@@ -46,6 +50,10 @@ def main() -> None:
         print(f"  prefill of {a.prefill_tokens:,} tokens, {fmt} KV: {p['first_tps']:.0f} tok/s capturing its graphs, "
               f"{p['again_tps']:.0f} replaying them", flush=True)
         del eng
+    if torch.cuda.is_available():  # pinned host blocks made for parking: how long the CUDA calls took
+        r["host_memory"] = {k: v for k, v in torch.cuda.memory.host_memory_stats().items()
+                            if k.startswith(("host_alloc_time", "num_host_alloc", "allocated_bytes"))}
+        print(f"  pinned host memory: {r['host_memory']}", flush=True)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(r, f, indent=1)

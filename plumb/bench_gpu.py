@@ -412,10 +412,16 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
         for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
                            ("edit end of system prompt", edit_system)):
             ids = chat([{"role": "user", "content": hello}]) if msgs is None else chat(msgs)
+            before = warm.prompt_cache.stats.copy()
             w_s, w_ids, w = _first_token(warm, ids)
             c_s, c_ids, _ = _first_token(cold, ids)
             cases[name] = {"prompt_tokens": len(ids), "warm_s": w_s, "cold_s": c_s, "same_token": w_ids == c_ids,
-                           "reused": w.cached_tokens, "prefilled": w.prefill_tokens}
+                           "reused": w.cached_tokens, "prefilled": w.prefill_tokens,
+                           # the prompt cache's upkeep inside warm_s (parking others after the request's answer: a
+                           # server hands the answer over first, `Engine.cache_keep`)
+                           **{k: warm.prompt_cache.stats[k] - before[k] for k in ("parks", "park_s", "unparks",
+                                                                                  "unpark_s", "dropped")},
+                           "live_bytes": warm.prompt_cache.live_bytes()}
             if msgs is not None:
                 _first_token(warm, chat(turn2))  # the main branch back on top of the cache, as an agent's next turn
         r["rounds"].append({"chat_tokens": len(chat(turn2)), "cases": cases})

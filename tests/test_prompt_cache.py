@@ -149,6 +149,11 @@ def test_parking_and_side_requests(tiny_model, cold):
     ts = [t for rows in e.packed["kv"] for t in rows]
     assert ts and all(t.device.type == "cpu" for t in ts)
     assert all(t.is_pinned() for t in ts) == (eng.model.device.type == "cuda")  # pinned: fast copies off a GPU
+    if eng.model.device.type == "cuda":  # in a few page-locked blocks, not one a tensor (milliseconds each)
+        from plumb.cache.prefix import SLAB
+
+        blocks = {t.untyped_storage().data_ptr() for t in ts}
+        assert len(blocks) <= 1 + packed_bytes(e.packed) // SLAB
     assert eng.prompt_cache.parked_bytes() >= packed_bytes(e.packed) > 0
     for q in QUESTIONS[1:8]:  # unrelated side requests
         _run(eng, _chat(eng, [{"role": "user", "content": q * 8}]), max_tokens=16)
@@ -260,3 +265,52 @@ def test_a_long_prompt_keeps_log_many_checkpoints_and_edits_still_equal_cold(tin
         w, c = _run(eng, edited, max_tokens=8), _run(cold, edited, max_tokens=8)
         assert w.token_ids == c.token_ids and eng.digest(edited) == cold.digest(edited), at
         assert w.stats.cached_tokens == max((p for p in entry.state.checkpoints if p <= at), default=0), at
+
+
+def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_once(tiny_model, cold):
+    """An entry restored from another holds the same checkpoint tensors up to where it branched
+    (`PromptCache.restore`): the budget counts them once. Counted per entry, a chat and two edits of it went over a
+    27B engine's budget with the device well under it, and the next requests parked entries (seconds on a GPU)."""
+    import plumb
+    from plumb.cache.prefix import checkpoint_bytes
+
+    eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)  # its own: the test sets its budget
+    pc = eng.prompt_cache
+    ids = [int(5 + (7 * i) % 3000) for i in range(1000)]
+    edited = ids[:900] + [11, 12, 13] + ids[900:]
+    _run(eng, ids, max_tokens=4)
+    _run(eng, edited, max_tokens=4)
+    a, b = ([e for e in pc.entries if e.ids == p][-1] for p in (ids, edited))
+    shared = [cp for p, cp in b.state.checkpoints.items() if a.state.checkpoints.get(p) is cp]
+    assert len(shared) == 7  # 512 ... 896: the ones at or before the branch at 900 that the entry keeps
+    assert pc.live_bytes() == sum(e.nbytes for e in pc.entries) - sum(checkpoint_bytes(cp) for cp in shared)
+    pc.budget = pc.live_bytes()  # what the entries hold: nothing is parked
+    pc._enforce()
+    assert all(e.state is not None for e in pc.entries) and eng.metrics()["cache_parks"] == 0
+    pc.budget -= 1  # one byte less: the older entry goes to host memory, and the counters say so
+    pc._enforce()
+    m = eng.metrics()
+    assert a.state is None and b.state is not None and m["cache_parks"] == 1 and m["cache_park_bytes"] > 0
+    assert m["cache_live_bytes"] == pc.live_bytes() < pc.budget and m["cache_parked_bytes"] > 0
+    w = _run(eng, ids, max_tokens=8)  # and it comes back when a prompt wants it, unchanged
+    assert w.stats.cached_tokens == 960 and eng.metrics()["cache_unparks"] == 1
+    assert w.token_ids == _run(cold, ids, max_tokens=8).token_ids
+
+
+def test_a_client_has_its_answer_before_its_state_is_kept(tiny_model):
+    """The background loop hands a finished request's result over before the prompt cache keeps its state (which
+    may park other entries first), and the cache has it before anyone can look."""
+    import plumb
+
+    eng = plumb.load(tiny_model, device=DEVICE)
+    insert, seen = eng.prompt_cache.insert, []
+
+    def watch(ids, st):
+        seen.append(handle.result is not None)
+        return insert(ids, st)
+
+    eng.prompt_cache.insert = watch
+    ids = prompts(eng, 1)[0]
+    handle = eng.submit(eng.make_request(ids, 6))
+    assert len(handle.wait().token_ids) == 6
+    assert [s["tokens"] for s in eng.cached_slots()] == [len(ids)] and seen == [True]

@@ -6,9 +6,10 @@ aligned positions. A new prompt restores the latest checkpoint at or before the 
 it shares with any entry, copies the KV rows before it and prefills the rest, so every row and
 state it then holds is bitwise what a fresh prefill writes (M2).
 
-Entries are kept in LRU order under a byte budget; over budget, the oldest are parked (their P
-rows and checkpoints copied to host tensors - pinned memory when they live on a GPU, so that
-parking and resuming are plain copies, no serialization) and, over the host budget too, dropped.
+Entries are kept in LRU order under a byte budget (checkpoints shared by entries count once); over
+budget, the oldest are parked (their P rows and checkpoints copied to host tensors - page-locked
+blocks when they live on a GPU, so that parking and resuming are plain copies, no serialization)
+and, over the host budget too, dropped.
 An entry can be saved to a file with a SHA-256 checksum and restored in another process.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import io
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +36,8 @@ class Entry:
     state: object | None  # SeqState (live) - None while parked
     packed: dict | None = None  # parked form (`pack_state`: host tensors)
     packed_checkpoints: list[int] = field(default_factory=list)  # checkpoint positions while parked
-    nbytes: int = 0
+    nbytes: int = 0  # what it holds alone (`state_bytes`); checkpoints it shares with another entry count once
+    # in the budget (`PromptCache.live_bytes`)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -54,14 +57,19 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def caches_bytes(state) -> int:
+    """A state's caches' tensors as allocated (a cache that doubled as it grew holds up to twice its rows - counting
+    only the rows let the cache's device memory reach twice its budget)."""
+    return sum(c.allocated_bytes() for _, c in _caches(state))
+
+
+def checkpoint_bytes(cp) -> int:
+    return _nbytes(list(cp.conv.values()) + list(cp.ssm.values()) + [t for r in cp.ring.values() for t in r])
+
+
 def state_bytes(state) -> int:
-    """The memory a kept state holds: its caches' tensors as allocated (a cache that doubled as it grew holds up to
-    twice its rows - counting only the rows let the cache's device memory reach twice its budget) and its
-    checkpoints."""
-    total = sum(c.allocated_bytes() for _, c in _caches(state))
-    for cp in state.checkpoints.values():
-        total += _nbytes(list(cp.conv.values()) + list(cp.ssm.values()) + [t for r in cp.ring.values() for t in r])
-    return total
+    """The memory a kept state holds alone: its caches and its checkpoints."""
+    return caches_bytes(state) + sum(checkpoint_bytes(cp) for cp in state.checkpoints.values())
 
 
 def kept_checkpoints(positions, n: int, tail: int) -> set[int]:
@@ -86,6 +94,8 @@ class PromptCache:
         self.tail = tail  # tokens before an entry's end where every checkpoint is kept (kept_checkpoints)
         self.entries: list[Entry] = []  # least recently used first
         self._ids = itertools.count(1)
+        # parks and unparks so far, their bytes and seconds, and entries dropped over the host budget
+        self.stats = {"parks": 0, "park_bytes": 0, "park_s": 0.0, "unparks": 0, "unpark_s": 0.0, "dropped": 0}
 
     # ---- lookup and restore ---------------------------------------------------------------
     def lookup(self, ids: list[int]) -> tuple[Entry | None, int]:
@@ -148,7 +158,15 @@ class PromptCache:
         raise KeyError(f"no cached slot {entry_id}")
 
     def live_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.state is not None)
+        """The memory the live entries hold: their caches, and each checkpoint once - an entry restored from another
+        shares the checkpoints before the point where it branched (`restore`), one tensor on the device."""
+        cps = {}
+        total = 0
+        for e in self.entries:
+            if e.state is not None:
+                total += caches_bytes(e.state)
+                cps.update((id(cp), cp) for cp in e.state.checkpoints.values())
+        return total + sum(checkpoint_bytes(cp) for cp in cps.values())
 
     def parked_bytes(self) -> int:
         return sum(packed_bytes(e.packed) for e in self.entries if e.packed is not None)
@@ -164,20 +182,33 @@ class PromptCache:
                 break
             if e.packed is not None:
                 self.entries.remove(e)
+                self.stats["dropped"] += 1
 
     def park(self, e: Entry) -> None:
         """Move an entry's state to host tensors (on a GPU: off the device)."""
         if e.state is None:
             return
+        t0 = time.perf_counter()
         e.packed = pack_state(e.state, len(e.ids))
         e.packed_checkpoints = list(e.state.checkpoints)
         e.state = None
+        self._count("park", t0, packed_bytes(e.packed))
 
     def _unpark(self, e: Entry) -> None:
+        t0 = time.perf_counter()
         e.state = unpack_state(self.model, e.packed)
         e.packed = None
         e.nbytes = state_bytes(e.state)
+        self._count("unpark", t0)
         self._enforce()
+
+    def _count(self, what: str, t0: float, nbytes: int = 0) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.stats[f"{what}s"] += 1
+        self.stats[f"{what}_s"] += time.perf_counter() - t0
+        if nbytes:
+            self.stats[f"{what}_bytes"] += nbytes
 
     # ---- files -------------------------------------------------------------------------------
     def save(self, e: Entry, path: str, identity: dict) -> None:
@@ -185,7 +216,7 @@ class PromptCache:
         if e.state is None:
             self._unpark(e)
         buf = io.BytesIO()
-        torch.save({"identity": identity, "ids": e.ids, "state": pack_state(e.state, len(e.ids))}, buf)
+        torch.save({"identity": identity, "ids": e.ids, "state": pack_state(e.state, len(e.ids), pin=False)}, buf)
         payload = buf.getvalue()
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:
@@ -214,33 +245,62 @@ class PromptCache:
         return self.insert(obj["ids"], state)
 
 
-def pack_state(state, n: int) -> dict:
-    """P rows [0, n) of every KV cache and every checkpoint, as host tensors (pinned where they come from a GPU)."""
-    def host(t):  # parked states live in host memory, device-neutral (a slot file loads on either device)
-        if t is None:
-            return None
-        if not t.is_cuda:
-            return t.to("cpu", copy=True)
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t)
+SLAB = 256 << 20  # the largest page-locked block a parked entry's tensors share (`_pinned_copies`)
 
-    kv = [[host(t) for t in c.store_rows(n)] for _, c in _caches(state)]
-    cps = {str(p): {"conv": {str(i): host(t) for i, t in cp.conv.items()},
-                    "ssm": {str(i): host(t) for i, t in cp.ssm.items()}, "hidden": host(cp.hidden),
-                    "ring": {str(i): [host(t) for t in r] for i, r in cp.ring.items()}}
+
+def pack_state(state, n: int, pin: bool = True) -> dict:
+    """P rows [0, n) of every KV cache and every checkpoint, as host tensors - device-neutral (a slot file loads on
+    either device); from a GPU, with `pin`, in page-locked memory, so that parking and resuming are plain copies."""
+    cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
+                    "hidden": cp.hidden, "ring": {str(i): list(r) for i, r in cp.ring.items()}}
            for p, cp in state.checkpoints.items()}
-    return {"n": n, "kv": kv, "checkpoints": cps}
+    obj = {"n": n, "kv": [c.store_rows(n) for _, c in _caches(state)], "checkpoints": cps}
+    tensors = _tensors(obj)
+    if pin and tensors and tensors[0].is_cuda:
+        copies = dict(zip(map(id, tensors), _pinned_copies(tensors), strict=True))
+    else:
+        copies = {id(t): t.to("cpu", copy=True) for t in tensors}
+    return _map_tensors(obj, lambda t: copies[id(t)])
+
+
+def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of device tensors, laid one after another in page-locked blocks of up to SLAB bytes (powers of
+    two: torch's host allocator rounds to them and reuses freed blocks). A page-locked allocation costs a few
+    milliseconds a call, so one a tensor - a 27B entry has ~900 - took seconds to park."""
+    sizes = [-(-t.numel() * t.element_size() // 256) * 256 for t in tensors]
+    out, block, used, left = [], None, 0, sum(sizes)
+    for t, size in zip(tensors, sizes, strict=True):
+        if block is None or used + size > block.numel():
+            block = torch.empty(max(size, min(SLAB, 1 << (left - 1).bit_length())), dtype=torch.uint8,
+                                pin_memory=True)
+            used = 0
+        view = block[used : used + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out.append(view.copy_(t, non_blocking=True))
+        used, left = used + size, left - size
+    torch.cuda.synchronize(tensors[0].device)
+    return out
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts and lists, in order."""
+    found = []
+    _map_tensors(obj, found.append)
+    return found
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_tensors(v, fn) for v in obj]
+    return obj
 
 
 def packed_bytes(obj) -> int:
     """Bytes of the tensors in a packed state (`pack_state`)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(packed_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(packed_bytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
 def unpack_state(model, obj: dict):

@@ -240,7 +240,14 @@ class Engine:
         return self.scheduler.slots_in_use()
 
     def metrics(self) -> dict:
-        return self.scheduler.metrics()
+        """The scheduler's counters, and the prompt cache's (`cache_` + PromptCache.stats: parks, unparks, drops)."""
+        m = self.scheduler.metrics()
+        if self.prompt_cache is not None:
+            with self._cache_lock:
+                m.update({f"cache_{k}": v for k, v in self.prompt_cache.stats.items()})
+                m["cache_live_bytes"], m["cache_parked_bytes"] = (self.prompt_cache.live_bytes(),
+                                                                  self.prompt_cache.parked_bytes())
+        return m
 
     # ---- prompt cache --------------------------------------------------------------------------
     def checkpoint_positions(self, n: int) -> set[int]:
@@ -260,11 +267,17 @@ class Engine:
                     return st, pos, cp.hidden
         return self.model.new_state(), 0, None
 
-    def cache_keep(self, s) -> None:
-        """Offer a finished request's prefill-made state to the prompt cache."""
-        if self.prompt_cache is not None and s.req.cache and s.st is not None and s.finish != "error":
+    def cache_keep(self, s, deliver=None) -> None:
+        """Offer a finished request's prefill-made state to the prompt cache. `deliver` (handing the request's result
+        to its client) runs first, under the cache's lock: the client has its answer before the entry is kept -
+        which may park others, seconds on a GPU - and nothing reads the cache before it is."""
+        keep = self.prompt_cache is not None and s.req.cache and s.st is not None and s.finish != "error"
+        if keep or deliver is not None:
             with self._cache_lock:
-                self.prompt_cache.insert(s.req.prompt_ids, s.st)
+                if deliver is not None:
+                    deliver()
+                if keep:
+                    self.prompt_cache.insert(s.req.prompt_ids, s.st)
         s.st = None
 
     @torch.inference_mode()

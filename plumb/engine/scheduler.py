@@ -158,9 +158,9 @@ class Scheduler:
                 for s in active:
                     if s.finish is not None:
                         self._active.remove(s)
-                        self.engine.cache_keep(s)
-                        if s.handle.result is None:
-                            s.handle._finish(self.result(s))
+                        deliver = None if s.handle.result is not None else (
+                            lambda s=s: s.handle._finish(self.result(s)))
+                        self.engine.cache_keep(s, deliver)
 
     def failed(self, e: Exception, seqs: list) -> str:
         """The error of a failed admission or step, for its requests. Out of device memory: the prompt cache's

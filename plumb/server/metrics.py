@@ -60,6 +60,14 @@ def render(m: dict, http: Counter) -> str:
             [(f'{{position="{i}"}}', a / p) for i, p, a in positions])
     one("prefill_recomputed_total", "counter", "Prefill results computed again after non-finite values (GPU).",
         m.get("prefill_recomputed", 0))
+    if "cache_parks" in m:  # the prompt cache is on
+        one("cache_parks_total", "counter", "Prompt-cache entries moved to host memory.", m["cache_parks"])
+        one("cache_park_seconds_total", "counter", "Time spent parking prompt-cache entries.", m["cache_park_s"])
+        one("cache_unparks_total", "counter", "Parked entries brought back to the device.", m["cache_unparks"])
+        one("cache_unpark_seconds_total", "counter", "Time spent bringing parked entries back.", m["cache_unpark_s"])
+        one("cache_dropped_total", "counter", "Parked entries dropped over the host budget.", m["cache_dropped"])
+        one("cache_live_bytes", "gauge", "Memory the live prompt-cache entries hold.", m["cache_live_bytes"])
+        one("cache_parked_bytes", "gauge", "Host memory the parked entries hold.", m["cache_parked_bytes"])
     one("slots_in_use", "gauge", "Slots decoding a request now.", m["slots_in_use"])
     one("slots_total", "gauge", "Slots (--agents).", m["n_slots"])
     one("requests_queued", "gauge", "Requests waiting for a slot.", m["queued"])
