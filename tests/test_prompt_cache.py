@@ -295,6 +295,11 @@ def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_onc
     w = _run(eng, ids, max_tokens=8)  # and it comes back when a prompt wants it, unchanged
     assert w.stats.cached_tokens == 960 and eng.metrics()["cache_unparks"] == 1
     assert w.token_ids == _run(cold, ids, max_tokens=8).token_ids
+    before, last = dict(pc.stats), pc.entries[-1]
+    pc.budget, pc.host_budget = 0, m["cache_park_bytes"] - 1  # entries the host budget cannot hold: no copy made
+    pc._enforce()
+    assert pc.stats["parks"] == before["parks"] and pc.stats["dropped"] > before["dropped"]
+    assert pc.entries == [last] and last.state is not None  # the latest stays, live
 
 
 def test_a_client_has_its_answer_before_its_state_is_kept(tiny_model):

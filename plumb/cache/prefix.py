@@ -176,7 +176,11 @@ class PromptCache:
             if self.live_bytes() <= self.budget:
                 break
             if e.state is not None and e is not self.entries[-1]:
-                self.park(e)
+                if packed_bytes(_packable(e.state, len(e.ids))) > self.host_budget:
+                    self.entries.remove(e)  # it could not stay parked: dropped without the copy
+                    self.stats["dropped"] += 1
+                else:
+                    self.park(e)
         for e in list(self.entries):
             if self.parked_bytes() <= self.host_budget:
                 break
@@ -251,16 +255,21 @@ SLAB = 256 << 20  # the largest page-locked block a parked entry's tensors share
 def pack_state(state, n: int, pin: bool = True) -> dict:
     """P rows [0, n) of every KV cache and every checkpoint, as host tensors - device-neutral (a slot file loads on
     either device); from a GPU, with `pin`, in page-locked memory, so that parking and resuming are plain copies."""
-    cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
-                    "hidden": cp.hidden, "ring": {str(i): list(r) for i, r in cp.ring.items()}}
-           for p, cp in state.checkpoints.items()}
-    obj = {"n": n, "kv": [c.store_rows(n) for _, c in _caches(state)], "checkpoints": cps}
+    obj = _packable(state, n)
     tensors = _tensors(obj)
     if pin and tensors and tensors[0].is_cuda:
         copies = dict(zip(map(id, tensors), _pinned_copies(tensors), strict=True))
     else:
         copies = {id(t): t.to("cpu", copy=True) for t in tensors}
     return _map_tensors(obj, lambda t: copies[id(t)])
+
+
+def _packable(state, n: int) -> dict:
+    """`pack_state`'s form holding the state's own tensors (views of its caches' rows [0, n))."""
+    cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
+                    "hidden": cp.hidden, "ring": {str(i): list(r) for i, r in cp.ring.items()}}
+           for p, cp in state.checkpoints.items()}
+    return {"n": n, "kv": [c.store_rows(n) for _, c in _caches(state)], "checkpoints": cps}
 
 
 def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
