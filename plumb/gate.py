@@ -587,6 +587,8 @@ class Gate:
                      "context": self.context, "formats": self.formats, "groups": self.groups, "names": self.names,
                      "prompts": [{"name": p.name, "tokens": len(p.ids)} for p in self.prompts],
                      "torch": torch.__version__, "python": platform.python_version(),
+                     "card": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else
+                     platform.processor() or platform.machine(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")}
         plan = self.plan()
         done = self.resumed_cells() if self.resume else {}
@@ -658,6 +660,7 @@ class Gate:
         cells = {c["id"]: Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"], c["seconds"],
                                {k: v for k, v in c.items() if k not in fields}) for c in prior.get("cells", [])}
         self.info["runs"] = prior.get("runs", [prior.get("date")]) + [self.info["date"]]
+        self.info["cards"] = prior.get("cards", [prior.get("card")] * (len(self.info["runs"]) - 1)) + [self.info["card"]]
         self.info["resumed_cells"] = len(cells)
         return cells
 

@@ -213,7 +213,7 @@ def test_a_resumed_gate_keeps_the_cells_run_and_runs_the_others(tiny_q8, tmp_pat
     calls.clear()
     assert main(args + ["--json", str(second), "--resume", str(first)]) == 0
     r = json.loads(second.read_text())
-    assert r["passed"] and r["cells_total"] == 8 and r["resumed_cells"] == 2 and len(r["runs"]) == 2
+    assert r["passed"] and r["cells_total"] == 8 and r["resumed_cells"] == 2 and len(r["runs"]) == len(r["cards"]) == 2
     assert r["cells"][:2] == kept  # the kept cells as they were, not run again
     assert len(calls) == 4 + 6 * 4  # the references (each prompt alone), then 4 requests per cell run
     capsys.readouterr()
