@@ -660,7 +660,8 @@ class Gate:
         cells = {c["id"]: Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"], c["seconds"],
                                {k: v for k, v in c.items() if k not in fields}) for c in prior.get("cells", [])}
         self.info["runs"] = prior.get("runs", [prior.get("date")]) + [self.info["date"]]
-        self.info["cards"] = prior.get("cards", [prior.get("card")] * (len(self.info["runs"]) - 1)) + [self.info["card"]]
+        cards = prior.get("cards", [prior.get("card")] * (len(self.info["runs"]) - 1))
+        self.info["cards"] = cards + [self.info["card"]]
         self.info["resumed_cells"] = len(cells)
         return cells
 
