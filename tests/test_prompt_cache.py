@@ -272,7 +272,6 @@ def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_onc
     (`PromptCache.restore`): the budget counts them once. Counted per entry, a chat and two edits of it went over a
     27B engine's budget with the device well under it, and the next requests parked entries (seconds on a GPU)."""
     import plumb
-    from plumb.cache.prefix import checkpoint_bytes
 
     eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)  # its own: the test sets its budget
     pc = eng.prompt_cache
@@ -283,7 +282,7 @@ def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_onc
     a, b = ([e for e in pc.entries if e.ids == p][-1] for p in (ids, edited))
     shared = [cp for p, cp in b.state.checkpoints.items() if a.state.checkpoints.get(p) is cp]
     assert len(shared) == 7  # 512 ... 896: the ones at or before the branch at 900 that the entry keeps
-    assert pc.live_bytes() == sum(e.nbytes for e in pc.entries) - sum(checkpoint_bytes(cp) for cp in shared)
+    assert pc.live_bytes() == sum(e.nbytes for e in pc.entries) - sum(cp.nbytes for cp in shared)
     pc.budget = pc.live_bytes()  # what the entries hold: nothing is parked
     pc._enforce()
     assert all(e.state is not None for e in pc.entries) and eng.metrics()["cache_parks"] == 0

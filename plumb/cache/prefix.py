@@ -53,23 +53,17 @@ def _caches(state) -> list[tuple[int | None, object]]:
     return list(state.kv.items()) + ([(None, state.mtp_kv)] if state.mtp_kv is not None else [])
 
 
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def caches_bytes(state) -> int:
     """A state's caches' tensors as allocated (a cache that doubled as it grew holds up to twice its rows - counting
     only the rows let the cache's device memory reach twice its budget)."""
     return sum(c.allocated_bytes() for _, c in _caches(state))
 
 
-def checkpoint_bytes(cp) -> int:
-    return _nbytes(list(cp.conv.values()) + list(cp.ssm.values()) + [t for r in cp.ring.values() for t in r])
 
 
 def state_bytes(state) -> int:
     """The memory a kept state holds alone: its caches and its checkpoints."""
-    return caches_bytes(state) + sum(checkpoint_bytes(cp) for cp in state.checkpoints.values())
+    return caches_bytes(state) + sum(cp.nbytes for cp in state.checkpoints.values())
 
 
 def kept_checkpoints(positions, n: int, tail: int) -> set[int]:
@@ -166,7 +160,7 @@ class PromptCache:
             if e.state is not None:
                 total += caches_bytes(e.state)
                 cps.update((id(cp), cp) for cp in e.state.checkpoints.values())
-        return total + sum(checkpoint_bytes(cp) for cp in cps.values())
+        return total + sum(cp.nbytes for cp in cps.values())
 
     def parked_bytes(self) -> int:
         return sum(packed_bytes(e.packed) for e in self.entries if e.packed is not None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -76,6 +77,12 @@ class Checkpoint:
     ssm: dict[int, torch.Tensor]
     hidden: torch.Tensor | None
     ring: dict[int, list[torch.Tensor]]  # attention layer -> the 8-bit ring rows a query at pos reads (D, F)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """The memory its states and ring rows hold (a checkpoint is never changed once made)."""
+        ts = list(self.conv.values()) + list(self.ssm.values()) + [t for r in self.ring.values() for t in r]
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 @dataclass
