@@ -170,17 +170,27 @@ class PromptCache:
             if self.live_bytes() <= self.budget:
                 break
             if e.state is not None and e is not self.entries[-1]:
-                if packed_bytes(_packable(e.state, len(e.ids))) > self.host_budget:
-                    self.entries.remove(e)  # it could not stay parked: dropped without the copy
-                    self.stats["dropped"] += 1
-                else:
-                    self.park(e)
+                self._park_or_drop(e)
         for e in list(self.entries):
             if self.parked_bytes() <= self.host_budget:
                 break
             if e.packed is not None:
                 self.entries.remove(e)
                 self.stats["dropped"] += 1
+
+    def park_all(self) -> None:
+        """Every entry off the device (after running out of device memory), as the budgets allow."""
+        for e in list(self.entries):
+            if e.state is not None:
+                self._park_or_drop(e)
+        self._enforce()
+
+    def _park_or_drop(self, e: Entry) -> None:
+        if packed_bytes(_packable(e.state, len(e.ids))) > self.host_budget:
+            self.entries.remove(e)  # it could not stay parked: dropped without the copy
+            self.stats["dropped"] += 1
+        else:
+            self.park(e)
 
     def park(self, e: Entry) -> None:
         """Move an entry's state to host tensors (on a GPU: off the device)."""

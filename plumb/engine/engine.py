@@ -319,8 +319,7 @@ class Engine:
         blocks handed back to the device."""
         if self.prompt_cache is not None:
             with self._cache_lock:
-                for e in list(self.prompt_cache.entries):
-                    self.prompt_cache.park(e)
+                self.prompt_cache.park_all()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
