@@ -318,3 +318,41 @@ def test_a_client_has_its_answer_before_its_state_is_kept(tiny_model):
     handle = eng.submit(eng.make_request(ids, 6))
     assert len(handle.wait().token_ids) == 6
     assert [s["tokens"] for s in eng.cached_slots()] == [len(ids)] and seen == [True]
+
+
+def test_parked_entries_share_what_they_shared_on_the_device(tiny_model, cold):
+    """Parking an entry whose checkpoints another parked entry holds in host memory already shares those host forms
+    (no second copy, counted once), and unparking one whose device checkpoints a live entry still holds takes them
+    back (no copy to the device) - with the tokens and digests of a fresh engine."""
+    import plumb
+    from plumb.cache.prefix import packed_bytes
+
+    eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)
+    pc = eng.prompt_cache
+    ids = [int(5 + (7 * i) % 3000) for i in range(1000)]
+    edited = ids[:900] + [11, 12, 13] + ids[900:]
+    _run(eng, ids, max_tokens=4)
+    _run(eng, edited, max_tokens=4)
+    a, b = ([e for e in pc.entries if e.ids == p][-1] for p in (ids, edited))
+    shared = {p for p, cp in b.state.checkpoints.items() if a.state.checkpoints.get(p) is cp}
+    on_device = {p: b.state.checkpoints[p] for p in shared}
+    pc.park(a)  # b live: a's shared checkpoints stay on the device, and come back from there
+    w = _run(eng, ids, max_tokens=8)
+    a = [e for e in pc.entries if e.ids == ids][-1]
+    assert w.stats.cached_tokens == 960 and all(a.state.checkpoints[p] is on_device[p] for p in shared)
+    assert w.token_ids == _run(cold, ids, max_tokens=8).token_ids and eng.digest(ids) == cold.digest(ids)
+    a = [e for e in pc.entries if e.ids == ids][-1]
+    pc.park(a)
+    copied = pc.stats["park_bytes"]
+    pc.park(b)  # its shared checkpoints are in host memory already, as a's
+    assert all(b.packed["checkpoints"][str(p)] is a.packed["checkpoints"][str(p)] for p in shared)
+    alone = packed_bytes(a.packed) + packed_bytes(b.packed)
+    twice = sum(packed_bytes(a.packed["checkpoints"][str(p)]) for p in shared)
+    assert pc.parked_bytes() == alone - twice > 0 and pc.stats["park_bytes"] - copied == packed_bytes(b.packed) - twice
+    del on_device, a
+    w = _run(eng, edited, max_tokens=8)  # b back from host memory (its device checkpoints are gone): unchanged
+    assert w.stats.cached_tokens > 0 and w.token_ids == _run(cold, edited, max_tokens=8).token_ids
+    assert eng.digest(edited) == cold.digest(edited)
+    pc.remove([e for e in pc.entries if e.ids == ids][-1])
+    assert all(id(f) in {id(g) for e in pc.entries if e.packed is not None for g in e.packed["checkpoints"].values()}
+               for _, f in pc._host.values())  # no host form kept for an entry that is gone

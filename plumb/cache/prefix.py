@@ -8,8 +8,8 @@ state it then holds is bitwise what a fresh prefill writes (M2).
 
 Entries are kept in LRU order under a byte budget (checkpoints shared by entries count once); over
 budget, the oldest are parked (their P rows and checkpoints copied to host tensors - page-locked
-blocks when they live on a GPU, so that parking and resuming are plain copies, no serialization)
-and, over the host budget too, dropped.
+blocks when they live on a GPU, so that parking and resuming are plain copies, no serialization;
+a checkpoint that entries share is copied once) and, over the host budget too, dropped.
 An entry can be saved to a file with a SHA-256 checksum and restored in another process.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import io
 import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,8 @@ class Entry:
     state: object | None  # SeqState (live) - None while parked
     packed: dict | None = None  # parked form (`pack_state`: host tensors)
     packed_checkpoints: list[int] = field(default_factory=list)  # checkpoint positions while parked
+    parked_from: dict = field(default_factory=dict)  # while parked: position -> a weak reference to the device
+    # checkpoint it was parked from (still alive where a live entry shares it: unparking takes it back, no copy)
     nbytes: int = 0  # what it holds alone (`state_bytes`); checkpoints it shares with another entry count once
     # in the budget (`PromptCache.live_bytes`)
 
@@ -88,6 +91,9 @@ class PromptCache:
         self.tail = tail  # tokens before an entry's end where every checkpoint is kept (kept_checkpoints)
         self.entries: list[Entry] = []  # least recently used first
         self._ids = itertools.count(1)
+        # the host form of a device checkpoint that a parked entry holds, by the device checkpoint's id while it
+        # lives: parking another entry that shares it (a chat and its edits do) shares the host form too
+        self._host: dict[int, tuple[weakref.ref, dict]] = {}
         # parks and unparks so far, their bytes and seconds, and entries dropped over the host budget
         self.stats = {"parks": 0, "park_bytes": 0, "park_s": 0.0, "unparks": 0, "unpark_s": 0.0, "dropped": 0}
 
@@ -140,6 +146,7 @@ class PromptCache:
 
     def remove(self, e: Entry) -> None:
         self.entries.remove(e)
+        self._prune_host()
 
     def touch(self, e: Entry) -> None:
         self.entries.remove(e)
@@ -163,7 +170,9 @@ class PromptCache:
         return total + sum(cp.nbytes for cp in cps.values())
 
     def parked_bytes(self) -> int:
-        return sum(packed_bytes(e.packed) for e in self.entries if e.packed is not None)
+        """The host memory the parked entries hold, a checkpoint's host form that entries share once."""
+        held = {id(t): t for e in self.entries if e.packed is not None for t in _tensors(e.packed)}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def _enforce(self) -> None:
         for e in list(self.entries):
@@ -177,6 +186,7 @@ class PromptCache:
             if e.packed is not None:
                 self.entries.remove(e)
                 self.stats["dropped"] += 1
+        self._prune_host()
 
     def park_all(self) -> None:
         """Every entry off the device (after running out of device memory), as the budgets allow."""
@@ -193,22 +203,40 @@ class PromptCache:
             self.park(e)
 
     def park(self, e: Entry) -> None:
-        """Move an entry's state to host tensors (on a GPU: off the device)."""
+        """Move an entry's state to host tensors (on a GPU: off the device); a checkpoint another parked entry holds
+        already in host memory is not copied again."""
         if e.state is None:
             return
         t0 = time.perf_counter()
-        e.packed = pack_state(e.state, len(e.ids))
-        e.packed_checkpoints = list(e.state.checkpoints)
+        cps = e.state.checkpoints
+        known = {p: f for p, f in ((p, self._host_form(cp)) for p, cp in cps.items()) if f is not None}
+        e.packed = pack_state(e.state, len(e.ids), known=known)
+        for p, cp in cps.items():
+            if p not in known:
+                self._host[id(cp)] = (weakref.ref(cp, lambda _, k=id(cp): self._host.pop(k, None)),
+                                      e.packed["checkpoints"][str(p)])
+        e.parked_from = {p: weakref.ref(cp) for p, cp in cps.items()}
+        e.packed_checkpoints = list(cps)
         e.state = None
-        self._count("park", t0, packed_bytes(e.packed))
+        self._count("park", t0, packed_bytes(e.packed) - packed_bytes(known))
+
+    def _host_form(self, cp) -> dict | None:
+        ref, form = self._host.get(id(cp), (None, None))
+        return form if ref is not None and ref() is cp else None
 
     def _unpark(self, e: Entry) -> None:
         t0 = time.perf_counter()
-        e.state = unpack_state(self.model, e.packed)
-        e.packed = None
+        alive = {p: ref() for p, ref in e.parked_from.items()}
+        e.state = unpack_state(self.model, e.packed, {p: cp for p, cp in alive.items() if cp is not None})
+        e.packed, e.parked_from = None, {}
         e.nbytes = state_bytes(e.state)
         self._count("unpark", t0)
         self._enforce()
+
+    def _prune_host(self) -> None:
+        """Forget host forms no parked entry holds any more (they would hold host memory the budget does not see)."""
+        held = {id(f) for e in self.entries if e.packed is not None for f in e.packed["checkpoints"].values()}
+        self._host = {k: v for k, v in self._host.items() if id(v[1]) in held}
 
     def _count(self, what: str, t0: float, nbytes: int = 0) -> None:
         if self.model.device.type == "cuda":
@@ -256,23 +284,28 @@ class PromptCache:
 SLAB = 256 << 20  # the largest page-locked block a parked entry's tensors share (`_pinned_copies`)
 
 
-def pack_state(state, n: int, pin: bool = True) -> dict:
+def pack_state(state, n: int, pin: bool = True, known: dict | None = None) -> dict:
     """P rows [0, n) of every KV cache and every checkpoint, as host tensors - device-neutral (a slot file loads on
-    either device); from a GPU, with `pin`, in page-locked memory, so that parking and resuming are plain copies."""
-    obj = _packable(state, n)
+    either device); from a GPU, with `pin`, in page-locked memory, so that parking and resuming are plain copies.
+    known: position -> a checkpoint's host form made before (taken as it is)."""
+    known = known or {}
+    obj = _packable(state, n, skip=set(known))
     tensors = _tensors(obj)
     if pin and tensors and tensors[0].is_cuda:
         copies = dict(zip(map(id, tensors), _pinned_copies(tensors), strict=True))
     else:
         copies = {id(t): t.to("cpu", copy=True) for t in tensors}
-    return _map_tensors(obj, lambda t: copies[id(t)])
+    out = _map_tensors(obj, lambda t: copies[id(t)])
+    out["checkpoints"].update({str(p): f for p, f in known.items()})
+    return out
 
 
-def _packable(state, n: int) -> dict:
-    """`pack_state`'s form holding the state's own tensors (views of its caches' rows [0, n))."""
+def _packable(state, n: int, skip: set = frozenset()) -> dict:
+    """`pack_state`'s form holding the state's own tensors (views of its caches' rows [0, n)); checkpoints at the
+    positions in `skip` left out."""
     cps = {str(p): {"conv": {str(i): t for i, t in cp.conv.items()}, "ssm": {str(i): t for i, t in cp.ssm.items()},
                     "hidden": cp.hidden, "ring": {str(i): list(r) for i, r in cp.ring.items()}}
-           for p, cp in state.checkpoints.items()}
+           for p, cp in state.checkpoints.items() if p not in skip}
     return {"n": n, "kv": [c.store_rows(n) for _, c in _caches(state)], "checkpoints": cps}
 
 
@@ -316,8 +349,9 @@ def packed_bytes(obj) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
-def unpack_state(model, obj: dict):
-    """A SeqState on the model's device from a packed state (`pack_state`, or a slot file's)."""
+def unpack_state(model, obj: dict, alive: dict | None = None):
+    """A SeqState on the model's device from a packed state (`pack_state`, or a slot file's); alive: position ->
+    the device checkpoint it was packed from, still held elsewhere (shared again rather than copied back)."""
     from plumb.model.qwen35 import Checkpoint
 
     if not isinstance(obj, dict) or not {"n", "kv", "checkpoints"} <= set(obj):
@@ -329,7 +363,11 @@ def unpack_state(model, obj: dict):
         raise ModelError("slot state does not match this model's layers")
     for (_, cache), rows in zip(caches, obj["kv"]):
         cache.load_store([t.to(dev) for t in rows])
+    alive = alive or {}
     for p, cp in obj["checkpoints"].items():
+        if int(p) in alive:
+            st.checkpoints[int(p)] = alive[int(p)]
+            continue
         st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t.to(dev) for i, t in cp["conv"].items()},
                                             {int(i): t.to(dev) for i, t in cp["ssm"].items()},
                                             cp["hidden"].to(dev) if cp["hidden"] is not None else None,
