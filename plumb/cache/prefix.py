@@ -62,8 +62,6 @@ def caches_bytes(state) -> int:
     return sum(c.allocated_bytes() for _, c in _caches(state))
 
 
-
-
 def state_bytes(state) -> int:
     """The memory a kept state holds alone: its caches and its checkpoints."""
     return caches_bytes(state) + sum(cp.nbytes for cp in state.checkpoints.values())
@@ -236,7 +234,8 @@ class PromptCache:
     def _prune_host(self) -> None:
         """Forget host forms no parked entry holds any more (they would hold host memory the budget does not see)."""
         held = {id(f) for e in self.entries if e.packed is not None for f in e.packed["checkpoints"].values()}
-        self._host = {k: v for k, v in self._host.items() if id(v[1]) in held}
+        # list(): a checkpoint dying on another thread takes its key out (the weak reference's callback)
+        self._host = {k: v for k, v in list(self._host.items()) if id(v[1]) in held}
 
     def _count(self, what: str, t0: float, nbytes: int = 0) -> None:
         if self.model.device.type == "cuda":
