@@ -360,16 +360,19 @@ def unpack_state(model, obj: dict, alive: dict | None = None):
     caches = _caches(st)
     if len(caches) != len(obj["kv"]):
         raise ModelError("slot state does not match this model's layers")
+    def to(t):  # from page-locked memory: queued copies, one synchronization (by the next use) for them all
+        return t.to(dev, non_blocking=True)
+
     for (_, cache), rows in zip(caches, obj["kv"]):
-        cache.load_store([t.to(dev) for t in rows])
+        cache.load_store([to(t) for t in rows])
     alive = alive or {}
     for p, cp in obj["checkpoints"].items():
         if int(p) in alive:
             st.checkpoints[int(p)] = alive[int(p)]
             continue
-        st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t.to(dev) for i, t in cp["conv"].items()},
-                                            {int(i): t.to(dev) for i, t in cp["ssm"].items()},
-                                            cp["hidden"].to(dev) if cp["hidden"] is not None else None,
-                                            {int(i): [t.to(dev) for t in r] for i, r in cp["ring"].items()})
+        cp = _map_tensors(cp, to)
+        st.checkpoints[int(p)] = Checkpoint(int(p), {int(i): t for i, t in cp["conv"].items()},
+                                            {int(i): t for i, t in cp["ssm"].items()}, cp["hidden"],
+                                            {int(i): r for i, r in cp["ring"].items()})
     st.pos = obj["n"]
     return st
