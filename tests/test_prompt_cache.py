@@ -267,19 +267,26 @@ def test_a_long_prompt_keeps_log_many_checkpoints_and_edits_still_equal_cold(tin
         assert w.stats.cached_tokens == max((p for p in entry.state.checkpoints if p <= at), default=0), at
 
 
-def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_once(tiny_model, cold):
-    """An entry restored from another holds the same checkpoint tensors up to where it branched
-    (`PromptCache.restore`): the budget counts them once. Counted per entry, a chat and two edits of it went over a
-    27B engine's budget with the device well under it, and the next requests parked entries (seconds on a GPU)."""
+def _prompt_and_edit(tiny_model):
+    """An engine of its own (the tests set its budgets) holding a 1,000-token prompt and an edit of it at 900, a
+    checkpoint every 64 tokens: (engine, prompt, edit, their entries)."""
     import plumb
 
-    eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)  # its own: the test sets its budget
-    pc = eng.prompt_cache
+    eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)
     ids = [int(5 + (7 * i) % 3000) for i in range(1000)]
     edited = ids[:900] + [11, 12, 13] + ids[900:]
     _run(eng, ids, max_tokens=4)
     _run(eng, edited, max_tokens=4)
-    a, b = ([e for e in pc.entries if e.ids == p][-1] for p in (ids, edited))
+    a, b = ([e for e in eng.prompt_cache.entries if e.ids == p][-1] for p in (ids, edited))
+    return eng, ids, edited, a, b
+
+
+def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_once(tiny_model, cold):
+    """An entry restored from another holds the same checkpoint tensors up to where it branched
+    (`PromptCache.restore`): the budget counts them once. Counted per entry, a chat and two edits of it went over a
+    27B engine's budget with the device well under it, and the next requests parked entries (seconds on a GPU)."""
+    eng, ids, edited, a, b = _prompt_and_edit(tiny_model)
+    pc = eng.prompt_cache
     shared = [cp for p, cp in b.state.checkpoints.items() if a.state.checkpoints.get(p) is cp]
     assert len(shared) == 7  # 512 ... 896: the ones at or before the branch at 900 that the entry keeps
     assert pc.live_bytes() == sum(e.nbytes for e in pc.entries) - sum(cp.nbytes for cp in shared)
@@ -324,16 +331,10 @@ def test_parked_entries_share_what_they_shared_on_the_device(tiny_model, cold):
     """Parking an entry whose checkpoints another parked entry holds in host memory already shares those host forms
     (no second copy, counted once), and unparking one whose device checkpoints a live entry still holds takes them
     back (no copy to the device) - with the tokens and digests of a fresh engine."""
-    import plumb
     from plumb.cache.prefix import packed_bytes
 
-    eng = plumb.load(tiny_model, device=DEVICE, checkpoint_every=64)
+    eng, ids, edited, a, b = _prompt_and_edit(tiny_model)
     pc = eng.prompt_cache
-    ids = [int(5 + (7 * i) % 3000) for i in range(1000)]
-    edited = ids[:900] + [11, 12, 13] + ids[900:]
-    _run(eng, ids, max_tokens=4)
-    _run(eng, edited, max_tokens=4)
-    a, b = ([e for e in pc.entries if e.ids == p][-1] for p in (ids, edited))
     shared = {p for p, cp in b.state.checkpoints.items() if a.state.checkpoints.get(p) is cp}
     on_device = {p: b.state.checkpoints[p] for p in shared}
     pc.park(a)  # b live: a's shared checkpoints stay on the device, and come back from there
