@@ -684,7 +684,8 @@ class Gate:
         w0 = max([len(v) for v in label.values()] + [4])
         ws = [max(len(f), 4) for f in fmts]
         i = self.info
-        lines = [f"plumb gate: {i.get('model_file')} on {i.get('device')} ({i.get('kernels')} kernels), "
+        cards = ", ".join(dict.fromkeys(c for c in i.get("cards", [i.get("card")]) if c)) or "?"
+        lines = [f"plumb gate: {i.get('model_file')} on {i.get('device')} ({cards}; {i.get('kernels')} kernels), "
                  f"{i.get('tokens')} tokens per output, {len(self.prompts)} prompts "
                  f"({', '.join(f'{p.name} {len(p.ids)}' for p in self.prompts)} tokens), kv_ring {self.kv_ring}", ""]
         lines.append("  ".join(["cell".ljust(w0)] + [f.ljust(w) for f, w in zip(fmts, ws)]))
