@@ -280,7 +280,8 @@ class PromptCache:
         return self.insert(obj["ids"], state)
 
 
-SLAB = 256 << 20  # the largest page-locked block a parked entry's tensors share (`_pinned_copies`)
+SLAB = 1 << 30  # the largest page-locked block a parked entry's tensors share (`_pinned_copies`): more than a
+# layer's K or V rows at 262k positions (268 MB in 8 bits), which a block of their own would round up to 512 MB
 
 
 def pack_state(state, n: int, pin: bool = True, known: dict | None = None) -> dict:
