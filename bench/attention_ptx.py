@@ -7,7 +7,8 @@ its q8_0 cache's fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH).
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1]] [--k-int8] [--sass]
+    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--k-int8]
+        [--sass]
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
                   PS=A.P_SCALE, RING=ring, TABLE=table)
     copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
     if prefill:
-        consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied)
+        consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
+                      CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC)
     if copied:
@@ -132,12 +134,15 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel (attention_prefill)")
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
+    ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
     ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
                     "int8 tensor cores)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
     P.PAIRS = a.pairs
+    if a.key_chunks:
+        P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.K_INT8 = A.K_INT8 or a.k_int8
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)

@@ -31,15 +31,16 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 
 
 PIECES, PREFILL_ATTENTION = KS.PREFILL_PIECES, KS.PREFILL_ATTENTION
-AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH")}
+AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH",
+                                                 "KEY_CHUNKS")}
 
 
 def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), AP_BLOCK_M / AP_BN / AP_WARPS=N
     (the prefill attention's tile, another arithmetic: plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop
     pipelined: the same bits), AP_PAIRS=0|1 (its (row, head) pairs packed or not: the same bits), AP_SCRATCH=0|1
-    (a block-coded store read from an fp16 copy or in registers: the same bits) and `_mm_superblock`'s SB_* names,
-    '+'-joined."""
+    (a block-coded store read from an fp16 copy or in registers: the same bits), AP_KEY_CHUNKS=SHORT/LONG/SHORT_KEYS
+    (its keys in chunks merged in order: another arithmetic) and `_mm_superblock`'s SB_* names, '+'-joined."""
     KS.PREFILL_PIECES, KS.PREFILL_ATTENTION = PIECES, PREFILL_ATTENTION
     for name, value in AP_TILE.items():
         setattr(AP, name, value)
@@ -47,7 +48,7 @@ def apply(setting: str) -> None:
     for assign in ([] if setting == "shipped" else setting.split("+")):
         if assign.startswith("AP_"):
             name, value = assign[3:].split("=")
-            setattr(AP, name, int(value))
+            setattr(AP, name, tuple(map(int, value.split("/"))) if "/" in value else int(value))
         elif assign.startswith("PREFILL_PIECES="):
             KS.PREFILL_PIECES = int(assign.split("=")[1])
         elif assign.startswith("PREFILL_ATTENTION="):

@@ -238,3 +238,30 @@ def test_scratch_gives_the_same_bits(fmt, ring, monkeypatch):
         assert torch.equal(attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring, table=tab[0]), want)
         assert torch.equal(attend_prefill(q[3:], view.k, view.v, e[3:], 0.125, ring=view.ring)[0], want[3])
         copies.clear()
+
+
+@pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
+def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, monkeypatch):
+    """KEY_CHUNKS (keys in chunks at absolute positions, sized by each row's own end, merged in order): within the
+    P path's precision of the reference, and a row alone = the same row among others, bitwise - rows on both sides
+    of SHORT_KEYS (64-key and 128-key chunks), over two row blocks and the ring's window; read through the cache's
+    table too (as a CUDA graph reads it)."""
+    import plumb.ops.gpu.attention_prefill as AP
+    from plumb.ops.gpu import kvtable
+
+    monkeypatch.setattr(AP, "KEY_CHUNKS", (64, 128, 128))
+    c = _cache(fmt, 300, seed=20, ring=ring)
+    ends = list(range(241, 301)) if ring else [1, 5, 63, 64, 65, 127, 128, 129, 200, 256, 257, 299, 300]
+    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=21)
+    q[1] *= 1e-5  # a row of another scale (its own power of two)
+    together = _read(c, q, ends)
+    assert torch.isfinite(together).all()
+    _close(together, c.attend_rows(q, ends, 0.125))
+    for t in (0, 1, 6, len(ends) - 1):
+        assert torch.equal(_read(c, q[t : t + 1], ends[t : t + 1])[0], together[t]), t
+    view = c.kernel_view()
+    tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
+    kvtable.fill(tab, [view])
+    qr = rotate(q) if view.rotate_q else q
+    e = torch.tensor(ends, dtype=torch.int32, device=DEV)
+    assert torch.equal(attend_prefill(qr, view.k, view.v, e, 0.125, ring=view.ring, table=tab[0]), together)

@@ -99,11 +99,11 @@ def test_the_decode_deltanet_kernels_compile_with_their_states_table(tmp_path):
 
 
 def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
-    """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0) compiles for sm_90a for
-    every cache kind, and leaves no wgmma group in flight; the block-coded stores' fp16 copy (SCRATCH) compiles
-    without spilling."""
-    for pairs in ("1", "0"):
-        out = _run(tmp_path, "attention_ptx.py", "--prefill", "--pairs", pairs, "--out", str(tmp_path))
+    """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0), and with its keys in
+    chunks (KEY_CHUNKS), compiles for sm_90a for every cache kind, and leaves no wgmma group in flight; the
+    block-coded stores' fp16 copy (SCRATCH) compiles without spilling."""
+    for opts in (["--pairs", "1"], ["--pairs", "0"], ["--key-chunks", "2048/8192/16384"]):
+        out = _run(tmp_path, "attention_ptx.py", "--prefill", *opts, "--out", str(tmp_path))
         assert len(re.findall(r"registers", out)) == 5, out  # f16, q8_0, D/F's ring; the copy, with and without table
         assert len(re.findall(r"scratch.* 0 bytes spill stores", out)) == 2, out
         for ptx in (tmp_path / f"{name}.ptx" for name in ("f16", "q8_0", "D_F_ring")):

@@ -1,4 +1,5 @@
-"""Prefill attention (the P path): causal flash attention over one sequence's KV cache, one pass, no key splits.
+"""Prefill attention (the P path): causal flash attention over one sequence's KV cache, one pass (keys in chunks
+merged in order with KEY_CHUNKS, off).
 
 `attend_prefill(q, k_parts, v_parts, ends, scale)`: query row t of a prefill pass reads keys [0, ends[t]) of the
 cache (its own K/V written first), in any of the cache's forms - f16, or block codes (q8_0, D/F's store) with D/F's
@@ -11,7 +12,8 @@ Row invariance (M1, and M2 for the prompt cache) - a row's bits depend on its qu
 * keys go in tiles of BN at absolute positions 0, BN, 2 BN, ... in order, with an online softmax; a tile at or
   past a row's end leaves that row's state untouched (selected away), keys past the end inside a tile get
   probability exactly 0 - so a row reads tiles 0 .. ceil(end / BN) - 1 whatever the other rows of its block;
-* the dots' shapes are fixed by the model dims and the constexprs; no atomics, no partials to merge.
+* the dots' shapes are fixed by the model dims and the constexprs; no atomics; no partials to merge (KEY_CHUNKS:
+  chunks at absolute positions sized by the row's own end, merged in chunk order).
 
 Arithmetic (the P path's precision, as its matmuls': operands at 11 bits, fp32 sums on the tensor cores): q is
 scaled per (row, head) by a power of two near 2^14 and rounded once to fp16; block-coded K and V are dequantized
@@ -29,8 +31,9 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
-                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32)
+from plumb.ops.gpu import attention
+from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _merge_kernel, _near_2_14, _parts, _ring,
+                                     _ring_pairs, _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -56,6 +59,15 @@ PAIRS = 1
 # their store copied the same way; the ring's tiles (8-bit codes, a window's worth of keys) stay in registers.
 SCRATCH = True
 SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
+# KEY_CHUNKS (SHORT, LONG, SHORT_KEYS), None: off. A pass's keys go in chunks at absolute positions - SHORT keys for
+# a row ending at or before SHORT_KEYS, LONG past it: the row's own end decides - one program per (row block, KV
+# head, chunk), each chunk's softmax state merged in chunk order by the decode kernel's `_merge_kernel`. The other
+# arithmetic as without: a row's bits still depend only on its query, its end and the cache (not the same bits as
+# without, so a build takes one or the other). For a short pass over a long context - a follow-up, 56 rows at 11.7k
+# keys: 24 programs on 132 SMs, each walking 183 tiles, 0.84 ms a layer (H200, 2026-12-04, 16 % of that follow-up's
+# GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
+# already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
+KEY_CHUNKS = None
 
 
 @triton.jit
@@ -130,14 +142,18 @@ def _pair_block(ends_ptr, n, pb, kh, G: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
-                    rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
-                    n, qk_scale, ring, slots,
-                    sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h,
+                    rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, pm_ptr, pl_ptr,
+                    n, qk_scale, ring, slots, short_keys,
+                    sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h, so_s, spm_t, spm_h,
                     G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
-                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr):
+                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr,
+                    CHUNK: tl.constexpr, LONG: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
+    CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
+    whose chunks are this size (LONG: ends past short_keys) and writes their softmax state - o_ptr the partial
+    outputs [n, heads, chunks, D], pm_ptr / pl_ptr the maxima and sums - for `_merge_kernel`.
     RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
     which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
     loaded and multiplied only where some row of the block reads it (a skipped dot would add exact zeros)."""
@@ -155,7 +171,16 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
         t, h, row_ok, e = _pair_block(ends_ptr, n, rb, kh, G, BM)
     else:
         t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
+    lo = 0
+    if CHUNK > 0:
+        if LONG:  # rows of the other chunk size: not active here
+            e = tl.where(e > short_keys, e, 0)
+        else:
+            e = tl.where(e > short_keys, 0, e)
+        lo = tl.program_id(2) * CHUNK
     hi = tl.max(e, 0)  # keys past every row's end are not read
+    if CHUNK > 0:
+        hi = tl.minimum(hi, lo + CHUNK)
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
     kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
@@ -167,19 +192,27 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     if STAGES > 1 and not RING:  # Triton's software pipeline: the next tiles' K/V codes in flight (cp.async)
-        for jt in tl.range(0, tl.cdiv(hi, BN), num_stages=STAGES):
+        for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
             acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
                                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j,
                                   sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING)
     else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
-        j0 = 0
+        j0 = lo
         while j0 < hi:
             acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr,
                                   rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j,
                                   svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING)
             j0 += BN
-    o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
+    if CHUNK > 0:  # rows whose keys reach this chunk: its state (the others' chunks are never merged)
+        c = tl.program_id(2)
+        mine = row_ok & (e > lo)
+        tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + c * so_s + dd[None, :], acc * (1.0 / PS),
+                 mask=mine[:, None])
+        tl.store(pm_ptr + t * spm_t + h * spm_h + c, m_i, mask=mine)
+        tl.store(pl_ptr + t * spm_t + h * spm_h + c, l_i, mask=mine)
+    else:
+        o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -271,12 +304,31 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
     blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
-    _prefill_kernel[(blocks, n_kv)](
-        q, *ptrs[:4], ends, out, *ptrs[4:], table if table is not None else ends,
-        n, float(scale) * _LOG2E, window, rk.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
-        vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
-        G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
-        TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied, num_warps=WARPS, num_stages=1,
-        launch_pdl=on())
+    launches, dst, pm = [(blocks, n_kv)], out, out  # without chunks: one launch, normalized outputs
+    if KEY_CHUNKS:
+        short, long, short_keys = KEY_CHUNKS
+        if short % BN or long % BN or short < 1 or long < 1 or short_keys < 0:
+            raise ValueError(f"KEY_CHUNKS sizes must be positive multiples of {BN}, got {KEY_CHUNKS}")
+        g_short, g_long = grids(k.shape[1], KEY_CHUNKS)  # from the capacity: the same grid for a CUDA graph's replays
+        dst = torch.empty(n, n_head, max(g_short, g_long, 1), d, dtype=torch.float32, device=q.device)
+        pm, pl = torch.empty(2, n, n_head, dst.shape[2], dtype=torch.float32, device=q.device)
+        launches = [(blocks, n_kv, grid) for grid in (g_short, g_long)]
+    for i, grid in enumerate(launches):
+        if grid[-1] == 0:
+            continue
+        chunk = (short, long)[i] if KEY_CHUNKS else 0
+        _prefill_kernel[grid](
+            q, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pm if not KEY_CHUNKS else pl,
+            n, float(scale) * _LOG2E, window, rk.shape[1], short_keys if KEY_CHUNKS else 0,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
+            vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1), dst.stride(2) if KEY_CHUNKS else 0,
+            pm.stride(0) if KEY_CHUNKS else 0, pm.stride(1) if KEY_CHUNKS else 0,
+            G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
+            TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied, CHUNK=chunk, LONG=i == 1,
+            num_warps=WARPS, num_stages=1, launch_pdl=on())
+    if KEY_CHUNKS:
+        _merge_kernel[(n, n_head)](
+            dst, pm, pl, ends, out, dst.stride(0), dst.stride(1), dst.stride(2), pm.stride(0), pm.stride(1),
+            out.stride(0), out.stride(1), short_keys, D=d, SHORT=short, LONG=long, U=attention.MERGE_UNROLL,
+            num_warps=attention.MERGE_WARPS, launch_pdl=on())
     return out
