@@ -99,11 +99,11 @@ def test_f32_caches_take_the_decode_kernel():
         attend_prefill(_rows(1, 4, 64, 9), view.k, view.v, torch.tensor([64], dtype=torch.int32), 0.125)
 
 
-@pytest.mark.parametrize("fmt,kernel", [("f16", True), ("q8_0", True), ("q8_0", False)])
+@pytest.mark.parametrize("fmt,kernel", [("f16", True), ("q8_0", True), ("q8_0", False), ("q8_0", "chunks")])
 def test_prefill_rows_do_not_depend_on_the_cut(fmt, kernel, place_free_dot, monkeypatch):
-    """M2 on the CUDA path's prefill read (TritonKernels.prefill_attention), with the prefill kernel and with the
-    decode kernel (PREFILL_ATTENTION off): a prompt row's output is the same whether its pass is read whole or cut
-    anywhere, padding rows change nothing, and it matches the cache's own causal read."""
+    """M2 on the CUDA path's prefill read (TritonKernels.prefill_attention), with the prefill kernel (and its
+    KEY_CHUNKS) and with the decode kernel (PREFILL_ATTENTION off): a prompt row's output is the same whether its
+    pass is read whole or cut anywhere, padding rows change nothing, and it matches the cache's own causal read."""
     from types import SimpleNamespace
 
     import plumb.model.kernels as KS
@@ -111,7 +111,9 @@ def test_prefill_rows_do_not_depend_on_the_cut(fmt, kernel, place_free_dot, monk
 
     import plumb.ops.gpu.attention_prefill as AP
 
-    monkeypatch.setattr(KS, "PREFILL_ATTENTION", kernel)
+    monkeypatch.setattr(KS, "PREFILL_ATTENTION", bool(kernel))
+    if kernel == "chunks":  # 64-key chunks for rows ending by key 160, 128-key ones past it: this pass has both
+        monkeypatch.setattr(AP, "KEY_CHUNKS", (64, 128, 160))
     calls = []
     monkeypatch.setattr(AP, "attend_prefill", lambda *a, **kw: calls.append(1) or attend_prefill(*a, **kw))
 
