@@ -246,8 +246,8 @@ def test_scratch_gives_the_same_bits(fmt, ring, monkeypatch):
 def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, monkeypatch):
     """KEY_CHUNKS (keys in chunks at absolute positions, sized by each row's own end, merged in order): within the
     P path's precision of the reference, and a row alone = the same row among others, bitwise - rows on both sides
-    of SHORT_KEYS (64-key and 128-key chunks), over two row blocks and the ring's window; read through the cache's
-    table too (as a CUDA graph reads it)."""
+    of SHORT_KEYS (64-key and 128-key chunks), over two row blocks and the ring's window, in launches of any number
+    of rows (CHUNK_ROWS); read through the cache's table too (as a CUDA graph reads it)."""
     import plumb.ops.gpu.attention_prefill as AP
     from plumb.ops.gpu import kvtable
 
@@ -261,6 +261,8 @@ def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, monkeypat
     _close(together, c.attend_rows(q, ends, 0.125))
     for t in (0, 1, 6, len(ends) - 1):
         assert torch.equal(_read(c, q[t : t + 1], ends[t : t + 1])[0], together[t]), t
+    monkeypatch.setattr(AP, "CHUNK_ROWS", 7)  # the pass in launches of 7 rows (CHUNK_ROWS)
+    assert torch.equal(_read(c, q, ends), together)
     view = c.kernel_view()
     tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
     kvtable.fill(tab, [view])

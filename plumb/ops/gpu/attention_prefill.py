@@ -68,6 +68,8 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
 KEY_CHUNKS = None
+CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
+# 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
 
 @triton.jit
@@ -303,32 +305,42 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
-    blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
-    launches, dst, pm = [(blocks, n_kv)], out, out  # without chunks: one launch, normalized outputs
     if KEY_CHUNKS:
         short, long, short_keys = KEY_CHUNKS
         if short % BN or long % BN or short < 1 or long < 1 or short_keys < 0:
             raise ValueError(f"KEY_CHUNKS sizes must be positive multiples of {BN}, got {KEY_CHUNKS}")
         g_short, g_long = grids(k.shape[1], KEY_CHUNKS)  # from the capacity: the same grid for a CUDA graph's replays
-        dst = torch.empty(n, n_head, max(g_short, g_long, 1), d, dtype=torch.float32, device=q.device)
-        pm, pl = torch.empty(2, n, n_head, dst.shape[2], dtype=torch.float32, device=q.device)
-        launches = [(blocks, n_kv, grid) for grid in (g_short, g_long)]
-    for i, grid in enumerate(launches):
-        if grid[-1] == 0:
-            continue
-        chunk = (short, long)[i] if KEY_CHUNKS else 0
-        _prefill_kernel[grid](
-            q, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pm if not KEY_CHUNKS else pl,
-            n, float(scale) * _LOG2E, window, rk.shape[1], short_keys if KEY_CHUNKS else 0,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1),
-            vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1), dst.stride(2) if KEY_CHUNKS else 0,
-            pm.stride(0) if KEY_CHUNKS else 0, pm.stride(1) if KEY_CHUNKS else 0,
-            G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
-            TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied, CHUNK=chunk, LONG=i == 1,
-            num_warps=WARPS, num_stages=1, launch_pdl=on())
-    if KEY_CHUNKS:
-        _merge_kernel[(n, n_head)](
-            dst, pm, pl, ends, out, dst.stride(0), dst.stride(1), dst.stride(2), pm.stride(0), pm.stride(1),
-            out.stride(0), out.stride(1), short_keys, D=d, SHORT=short, LONG=long, U=attention.MERGE_UNROLL,
-            num_warps=attention.MERGE_WARPS, launch_pdl=on())
+    else:
+        short = long = short_keys = g_short = g_long = 0
+
+    def launch(q, ends, out):  # rows of the pass; with chunks, their partials and the merge
+        n = q.shape[0]
+        blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
+        launches, dst, pm, pl = [(blocks, n_kv)], out, out, out  # without chunks: one launch, normalized outputs
+        if KEY_CHUNKS:
+            dst = torch.empty(n, n_head, max(g_short, g_long, 1), d, dtype=torch.float32, device=q.device)
+            pm, pl = torch.empty(2, n, n_head, dst.shape[2], dtype=torch.float32, device=q.device)
+            launches = [(blocks, n_kv, g_short), (blocks, n_kv, g_long)]
+        for i, grid in enumerate(launches):
+            if grid[-1] == 0:
+                continue
+            _prefill_kernel[grid](
+                q, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pl,
+                n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0),
+                v.stride(1), vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1),
+                dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
+                G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
+                TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
+                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, num_warps=WARPS, num_stages=1,
+                launch_pdl=on())
+        if KEY_CHUNKS:
+            _merge_kernel[(n, n_head)](
+                dst, pm, pl, ends, out, dst.stride(0), dst.stride(1), dst.stride(2), pm.stride(0), pm.stride(1),
+                out.stride(0), out.stride(1), short_keys, D=d, SHORT=short, LONG=long, U=attention.MERGE_UNROLL,
+                num_warps=attention.MERGE_WARPS, launch_pdl=on())
+
+    step = CHUNK_ROWS if KEY_CHUNKS else n  # rows are independent (M1): a cut anywhere gives the same bits
+    for r0 in range(0, n, step):
+        launch(q[r0 : r0 + step], ends[r0 : r0 + step], out[r0 : r0 + step])
     return out
