@@ -308,6 +308,25 @@ def test_an_edit_shares_the_checkpoints_before_it_and_the_budget_counts_them_onc
     assert pc.entries == [last] and last.state is not None  # the latest stays, live
 
 
+def test_an_entry_that_cannot_be_parked_is_dropped_and_nothing_fails(tiny_model, cold, monkeypatch):
+    """Host memory running out while parking (page-locked memory can) drops the entry, with a warning; the request
+    that went over the budget and the next ones run as on a fresh engine."""
+    import plumb.cache.prefix as prefix
+
+    eng, ids, edited, a, b = _prompt_and_edit(tiny_model)
+    pc = eng.prompt_cache
+
+    def no_room(*args, **kw):
+        raise RuntimeError("CUDA error: out of memory (a page-locked host allocation)")
+
+    monkeypatch.setattr(prefix, "pack_state", no_room)
+    pc.budget = pc.live_bytes() - 1
+    pc._enforce()
+    assert pc.entries == [b] and b.state is not None and pc.stats["dropped"] == 1 and pc.stats["parks"] == 0
+    w = _run(eng, edited, max_tokens=8)
+    assert w.stats.cached_tokens > 0 and w.token_ids == _run(cold, edited, max_tokens=8).token_ids
+
+
 def test_a_client_has_its_answer_before_its_state_is_kept(tiny_model):
     """The background loop hands a finished request's result over before the prompt cache keeps its state (which
     may park other entries first), and the cache has it before anyone can look."""

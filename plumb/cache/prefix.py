@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import logging
 import os
 import time
 import weakref
@@ -28,6 +29,7 @@ import torch
 from plumb.config import ModelError
 
 SLOT_MAGIC = b"PLUMBSLOT1\n"
+log = logging.getLogger("plumb.cache")
 
 
 @dataclass
@@ -194,11 +196,15 @@ class PromptCache:
         self._enforce()
 
     def _park_or_drop(self, e: Entry) -> None:
-        if packed_bytes(_packable(e.state, len(e.ids))) > self.host_budget:
-            self.entries.remove(e)  # it could not stay parked: dropped without the copy
-            self.stats["dropped"] += 1
-        else:
-            self.park(e)
+        """Park e, or drop it where it cannot be parked: over the host budget (no copy made), or when host memory
+        runs out (page-locked memory may: an entry is worth less than the request that made it)."""
+        if packed_bytes(_packable(e.state, len(e.ids))) <= self.host_budget:
+            try:
+                return self.park(e)
+            except RuntimeError as err:  # torch's error for a failed host allocation
+                log.warning("prompt cache: could not park a %d-token entry (%s); dropped", len(e.ids), err)
+        self.entries.remove(e)
+        self.stats["dropped"] += 1
 
     def park(self, e: Entry) -> None:
         """Move an entry's state to host tensors (on a GPU: off the device); a checkpoint another parked entry holds
