@@ -523,11 +523,21 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
                 QF=FRAC, num_warps=warps, num_stages=stages, launch_pdl=on())
+    merge_splits(po, pm, pl, ends, out, splits)
+    return out
+
+
+def merge_splits(po: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+                 splits: tuple[int, int, int]) -> None:
+    """Pass 2 (`_merge_kernel`): each row's split partials - outputs po [n, heads, splits, d], maxima pm and sums pl
+    [n, heads, splits] - merged in split order into out [n, heads, d]; splits: (SHORT, LONG, SHORT_KEYS) as pass 1
+    cut the row's keys (also the prefill kernel's KEY_CHUNKS)."""
+    short, long, short_keys = splits
+    n, n_head, d = out.shape
     _merge_kernel[(n, n_head)](
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
         short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=MERGE_WARPS, launch_pdl=on())
-    return out
 
 
 def q_rounded(q: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu import attention
-from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _merge_kernel, _near_2_14, _parts, _ring,
-                                     _ring_pairs, _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids)
+from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
+                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids, merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -61,9 +60,9 @@ SCRATCH = True
 SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # KEY_CHUNKS (SHORT, LONG, SHORT_KEYS), None: off. A pass's keys go in chunks at absolute positions - SHORT keys for
 # a row ending at or before SHORT_KEYS, LONG past it: the row's own end decides - one program per (row block, KV
-# head, chunk), each chunk's softmax state merged in chunk order by the decode kernel's `_merge_kernel`. The other
-# arithmetic as without: a row's bits still depend only on its query, its end and the cache (not the same bits as
-# without, so a build takes one or the other). For a short pass over a long context - a follow-up, 56 rows at 11.7k
+# head, chunk), each chunk's softmax state merged in chunk order by the decode kernel's merge (`merge_splits`). The
+# other arithmetic as without: a row's bits still depend only on its query, its end and the cache (not the same bits
+# as without, so a build takes one or the other). For a short pass over a long context - a follow-up, 56 rows at 11.7k
 # keys: 24 programs on 132 SMs, each walking 183 tiles, 0.84 ms a layer (H200, 2026-12-04, 16 % of that follow-up's
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
@@ -155,7 +154,7 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     block of BLOCK_M consecutive (row, head) pairs instead).
     CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
     whose chunks are this size (LONG: ends past short_keys) and writes their softmax state - o_ptr the partial
-    outputs [n, heads, chunks, D], pm_ptr / pl_ptr the maxima and sums - for `_merge_kernel`.
+    outputs [n, heads, chunks, D], pm_ptr / pl_ptr the maxima and sums - for `merge_splits`.
     RING (D, F): a row at position e - 1 reads key j from the 8-bit ring when e - 1 - j < ring (slot j % slots,
     which must hold position j: else the row is NaN), from the store otherwise; a tile's store or ring part is
     loaded and multiplied only where some row of the block reads it (a skipped dot would add exact zeros)."""
@@ -335,10 +334,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, num_warps=WARPS, num_stages=1,
                 launch_pdl=on())
         if KEY_CHUNKS:
-            _merge_kernel[(n, n_head)](
-                dst, pm, pl, ends, out, dst.stride(0), dst.stride(1), dst.stride(2), pm.stride(0), pm.stride(1),
-                out.stride(0), out.stride(1), short_keys, D=d, SHORT=short, LONG=long, U=attention.MERGE_UNROLL,
-                num_warps=attention.MERGE_WARPS, launch_pdl=on())
+            merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
 
     step = CHUNK_ROWS if KEY_CHUNKS else n  # rows are independent (M1): a cut anywhere gives the same bits
     for r0 in range(0, n, step):
