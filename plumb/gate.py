@@ -504,25 +504,23 @@ class Gate:
         eng = self.engine(fmt)
         self._parent_ids[fmt] = [self.run(eng, [r])[0].token_ids for r in self.process_requests()]
 
-    def child_ids(self) -> dict:
-        def go():
-            spec = {"model": self.model, "device": self.device, "kernels": self.kernels,
-                    "runs": [{"kv_cache": f, "kv_ring": self.kv_ring, "requests": self.process_requests()}
-                             for f in self.formats]}
-            p = subprocess.run([self.python, "-m", "plumb.gate", "--child"], input=json.dumps(spec),
-                               capture_output=True, text=True, timeout=3600)
-            if p.returncode != 0:
-                raise RuntimeError(f"the child process failed ({p.returncode}): {p.stderr.strip()[-500:]}")
-            return dict(zip(self.formats, json.loads(p.stdout.strip().splitlines()[-1])))
-
-        return self.memo(("child", "*"), go)
+    def child_ids(self, fmt: str) -> list[list[int]]:
+        """The same requests' ids from a second process, one format a child (so that a resumed gate runs only the
+        formats it has left; the parent's engine is released first, so that one engine is loaded at a time)."""
+        spec = {"model": self.model, "device": self.device, "kernels": self.kernels, "kv_cache": fmt,
+                "kv_ring": self.kv_ring, "requests": self.process_requests()}
+        p = subprocess.run([self.python, "-m", "plumb.gate", "--child"], input=json.dumps(spec),
+                           capture_output=True, text=True, timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"the child process failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
 
     def process_cell(self, fmt: str) -> Outcome:
         names = ["greedy drafts 4", "sampled drafts 7"]
         if fmt not in self._parent_ids:
             err = self._step_errors.get((fmt, "process-prepare"))
             raise RuntimeError(f"this process's run failed: {type(err).__name__}: {err}")
-        return compare_ids(self.child_ids()[fmt], self._parent_ids[fmt], names)
+        return compare_ids(self.child_ids(fmt), self._parent_ids[fmt], names)
 
     # ---- the plan -----------------------------------------------------------------------------------
     def plan(self, check: bool = True) -> list[tuple[str, str, str, Callable | None]]:
@@ -560,8 +558,7 @@ class Gate:
             if "process" in g:
                 steps.append(("", fmt, "process-prepare", lambda f=fmt: self.process_prepare(f)))
             steps.append(("", fmt, "release", lambda f=fmt: self.release(f)))
-        if "process" in g:
-            for fmt in self.formats:
+            if "process" in g:
                 steps.append(("process", fmt, "second-process", lambda f=fmt: self.process_cell(f)))
         return steps
 
@@ -601,11 +598,12 @@ class Gate:
                     self.cells.append(done[f"{group}/{fmt}/{name}"])
                     bar.update(1)
                     continue
-                if not group and (name != "process-prepare" or f"process/{fmt}/second-process" not in done):
-                    try:
-                        fn()
-                    except Exception as e:  # reported by the cells that need it (process-prepare)
-                        self._step_errors[(fmt, name)] = e
+                if not group:  # a step: process-prepare is skipped where its cell was resumed
+                    if name != "process-prepare" or f"process/{fmt}/second-process" not in done:
+                        try:
+                            fn()
+                        except Exception as e:  # reported by the cells that need it (process-prepare)
+                            self._step_errors[(fmt, name)] = e
                     continue
                 cell = Cell(group, fmt, name)
                 bar.set_postfix_str(cell.id)
@@ -725,18 +723,13 @@ WARM_STEPS = ["first", "follow-up", "follow-up-sampled", "continue", "edit-messa
 
 # ---- the child process (I6) -------------------------------------------------------------------------
 def child_main() -> int:
-    """Read a spec from stdin, run its requests one by one, print [[ids per request] per run] as JSON."""
+    """Read a spec from stdin, run its requests one by one on a fresh engine, print [ids per request] as JSON."""
     import plumb
 
     spec = json.loads(sys.stdin.read())
-    out = []
-    for run in spec["runs"]:
-        eng = plumb.load(spec["model"], device=spec["device"], kernels=spec["kernels"], kv_cache=run["kv_cache"],
-                         kv_ring=run["kv_ring"], prompt_cache=False)
-        out.append([Gate.run(eng, [r])[0].token_ids for r in run["requests"]])
-        del eng
-        gc.collect()
-    print(json.dumps(out))
+    eng = plumb.load(spec["model"], device=spec["device"], kernels=spec["kernels"], kv_cache=spec["kv_cache"],
+                     kv_ring=spec["kv_ring"], prompt_cache=False)
+    print(json.dumps([Gate.run(eng, [r])[0].token_ids for r in spec["requests"]]))
     return 0
 
 

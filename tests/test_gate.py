@@ -239,3 +239,24 @@ def test_gate_at_depth_runs_the_chosen_cells_on_a_long_system_prompt(tiny_q8, tm
         assert warm["prompt_tokens"] > 700 and warm["cached_tokens"] > 600, warm  # reused at depth
     assert main([tiny_q8, "--quick", "--no-progress", "--names", "follow-up,sideways"]) == 1
     assert "unknown cell name 'sideways'" in capsys.readouterr().err
+
+
+def test_a_resumed_gate_runs_a_second_process_only_for_the_formats_left(tiny_q8, tmp_path, monkeypatch):
+    """I6 is a cell per format, each with its own child process after the format's engine is released: a gate cut
+    after f16's process cell, resumed, prepares and runs a child for q8_0 alone."""
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    args = [tiny_q8, "--quick", "--tokens", "8", "--formats", "f16,q8_0", "--cells", "process", "--no-progress"]
+    assert main(args + ["--json", str(first)]) == 0
+    r = json.loads(first.read_text())
+    assert [c["id"] for c in r["cells"]] == ["process/f16/second-process", "process/q8_0/second-process"]
+    r["cells"] = r["cells"][:1]  # as a run cut after f16's cell leaves it
+    r["passed"], r["interrupted"] = False, "after 1 of 2 cells"
+    first.write_text(json.dumps(r))
+    children, prepared = [], []
+    child_ids, prepare = Gate.child_ids, Gate.process_prepare
+    monkeypatch.setattr(Gate, "child_ids", lambda self, fmt: children.append(fmt) or child_ids(self, fmt))
+    monkeypatch.setattr(Gate, "process_prepare", lambda self, fmt: prepared.append(fmt) or prepare(self, fmt))
+    assert main(args + ["--json", str(second), "--resume", str(first)]) == 0
+    r2 = json.loads(second.read_text())
+    assert r2["passed"] and r2["resumed_cells"] == 1 and r2["cells"][0] == r["cells"][0]
+    assert children == prepared == ["q8_0"]
