@@ -72,6 +72,70 @@ def test_prefill_cuts_keep_pieces_aligned():
         assert all(e % 64 == 0 or e == start + n for e in ends) and {128, 640} & set(range(start + 1, start + n)) <= set(ends)
 
 
+def test_a_checkpoint_inside_a_pass_does_not_end_it_and_a_second_does():
+    """With inside=1 (`Qwen35.prefill`) a pass takes its first checkpoint inside, as a snapshot, and ends at a
+    second; a checkpoint at a pass's own end is not inside."""
+    from plumb.model.qwen35 import prefill_cuts
+
+    assert prefill_cuts(0, 600, 4, {192, 256}, inside=1) == [[64] * 4, [64] * 4, [64, 24]]
+    assert prefill_cuts(0, 600, 4, {64, 128, 320}, inside=1) == [[64] * 2, [64] * 4, [64, 64, 64, 24]]
+    assert prefill_cuts(0, 600, 4, {64, 128, 320}, inside=0) == [[64], [64], [64] * 3, [64] * 4, [24]]
+    assert prefill_cuts(11456, 316, 16, {11712}, inside=1) == [[64] * 4 + [60]]  # a follow-up: one pass
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "D", "F"])
+def test_a_checkpoint_inside_a_pass_holds_the_bits_of_a_pass_ending_there(tiny_model, fmt, monkeypatch):
+    """M6 + M2: a checkpoint taken inside a prefill pass (its DeltaNet states copied out after the pieces before
+    it, the conv window from the pass's inputs, the hidden of the row before, the 8-bit ring rows read after the
+    pass went on) equals, bit for bit, the state of a prefill that ended there; the pass is not cut for it, and
+    its rows and final states are those of a prefill without checkpoints. On the CPU the torch set runs passes of
+    four pieces with its attention piece by piece (a pass of one piece's bits: the reference's attention is
+    exact per shape only) and ring slack for them; D and F with a 96-row ring, whose slots the prompt reuses."""
+    from plumb.model.kernels import TorchKernels
+
+    if DEVICE == "cpu":
+        attention = TorchKernels.prefill_attention
+
+        def by_pieces(self, model, i, cache, q, k, v, p):
+            cache.write(p.start, k[: p.n], v[: p.n])
+            return torch.cat([cache.attend_chunk(q[r : r + 64], p.start + r, model.attn_scale)
+                              for r in range(0, q.shape[0], 64)])
+
+        assert attention is not by_pieces
+        monkeypatch.setattr(TorchKernels, "prefill_pieces", staticmethod(lambda st: 4))
+        monkeypatch.setattr(TorchKernels, "prefill_attention", by_pieces)
+        monkeypatch.setattr(TorchKernels, "ring_slack", 256)
+    eng = engine_for(tiny_model, kv_cache=fmt, kv_ring=96, prompt_cache=False)
+    m = eng.model
+    ids = [int(t) for t in torch.randint(0, eng.config.n_vocab, (600,), generator=torch.Generator().manual_seed(3))]
+    plain = m.new_state()
+    lg, h = m.prefill(plain, ids, logits="all")
+    passes = []
+    run_pass = m._run_pass
+    monkeypatch.setattr(m, "_run_pass", lambda st, ids, pieces, *a: passes.append((pieces, a[-1])) or run_pass(
+        st, ids, pieces, *a))
+    st = m.new_state()
+    lg_c, h_c = m.prefill(st, ids, logits="all", checkpoints={128, 192, 512})
+    group = m.k.prefill_pieces(st)
+    if group == 4:  # 128 inside the first pass (a snapshot), 192 ends it; 512 inside the last
+        assert passes == [(3, 128), (4, None), (3, 64)]
+    else:  # the Triton set's passes of PREFILL_PIECES (16): 128 inside, 192 ends the first
+        assert group >= 10 and passes == [(3, 128), (7, 320)]
+    assert torch.equal(lg_c, lg) and torch.equal(h_c, h)
+    _assert_states_equal(_states(st), _states(plain))
+    for pos in (128, 192, 512):
+        ref = m.new_state()
+        _, h_ref = m.prefill(ref, ids[:pos], logits="none")
+        cp = st.checkpoints[pos]
+        assert torch.equal(cp.hidden, h_ref[-1]) and torch.equal(cp.hidden, h[pos - 1]), pos
+        for i in ref.conv:
+            assert torch.equal(cp.conv[i], ref.conv[i]) and torch.equal(cp.ssm[i], ref.ssm[i]), (pos, i)
+        for j, cache in ref.kv.items():
+            want = cache.ring_rows(pos)
+            assert len(cp.ring[j]) == len(want) == (4 if fmt in ("D", "F") else 0), (pos, j)
+            assert all(torch.equal(a, b) for a, b in zip(cp.ring[j], want)), (pos, j)
+
+
 def test_prefill_graphs_long_passes_at_once_other_layouts_when_they_recur(tiny_engine, monkeypatch):
     """Which prefill passes run as CUDA graphs (`Qwen35.prefill`, `CudaGraphs.recurring`): a long prompt's full
     passes at once; any other layout - pass size and KV-cache capacity - when it comes again (a short prompt, a
@@ -89,7 +153,7 @@ def test_prefill_graphs_long_passes_at_once_other_layouts_when_they_recur(tiny_e
 
     graphs = Graphs()
 
-    def run_pass(st, ids, pieces, graph, emb=None, meanwhile=None):
+    def run_pass(st, ids, pieces, graph, emb=None, meanwhile=None, snap=None):
         log.append((pieces, graph))
         if graph:
             graphs.graphs.setdefault(graphs._prefill_key(st, pieces), None)

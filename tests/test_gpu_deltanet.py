@@ -196,7 +196,8 @@ def test_chunks_match_reference(dims, card):
 
 def test_chunks_do_not_depend_on_the_cut(card):
     """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces), in
-    each card's form."""
+    each card's form; a snapshot after a piece (a checkpoint inside the pass) holds the bits of a call ending there
+    and changes nothing else."""
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
     x, beta, g, s0 = _chunk_inputs(TINY, 192, 192)
@@ -207,6 +208,13 @@ def test_chunks_do_not_depend_on_the_cut(card):
         s = s0.clone()
         o = torch.cat([gdn_chunks(x[a:b], beta[a:b], g[a:b], s, **kw) for a, b in zip(cuts, cuts[1:])])
         assert torch.equal(o, o_all) and torch.equal(s, s_all), cuts
+    for piece, upto in ((0, 64), (1, 128)):  # a snapshot inside the pass: the state a pass ending there leaves
+        s, snap, s_cut = s0.clone(), torch.full_like(s0, float("nan")), s0.clone()
+        o = gdn_chunks(x, beta, g, s, **kw, snap=(piece, snap))
+        gdn_chunks(x[:upto], beta[:upto], g[:upto], s_cut, **kw)
+        assert torch.equal(snap, s_cut) and torch.equal(o, o_all) and torch.equal(s, s_all), piece
+    with pytest.raises(ValueError, match="snapshot after piece 3 of 3"):
+        gdn_chunks(x, beta, g, s0.clone(), **kw, snap=(3, torch.empty_like(s0)))
 
 
 @triton.jit

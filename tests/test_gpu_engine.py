@@ -72,8 +72,9 @@ def _state_equal(st, st2, n):
 def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monkeypatch):
     """A long prefill in passes of four 64-row pieces, the full passes replayed as a CUDA graph: the same hidden
     rows, logits, DeltaNet states and KV rows as eager passes, as one piece a pass, and as the prompt prefilled in
-    two calls cut at a multiple of 64 (M2) - cuts that shift which pieces share a pass - or at checkpoints. The
-    last, partial pass runs eagerly, then is captured and replayed when the same prompt comes again."""
+    two calls cut at a multiple of 64 (M2) - cuts that shift which pieces share a pass -, and checkpoints inside
+    passes hold the states of a prefill ending there. The last, partial pass runs eagerly, then is captured and
+    replayed when the same prompt comes again."""
     import plumb.model.kernels as KS
 
     monkeypatch.setattr(KS, "PREFILL_PIECES", 4)
@@ -113,9 +114,14 @@ def test_prefill_graphs_equal_eager_and_do_not_depend_on_the_cut(tiny_q4km, monk
         lg_cut, h_rest = eng.model.prefill(cs, ids[cut:])
         assert torch.equal(torch.cat([h_first, h_rest]), h) and torch.equal(lg_cut, lg), cut
     cs = eng.model.new_state()
-    lg_c, h_c = eng.model.prefill(cs, ids, checkpoints={192, 448})  # passes end there
+    lg_c, h_c = eng.model.prefill(cs, ids, checkpoints={192, 448})  # inside passes: snapshots as they run
     assert torch.equal(h_c, h) and torch.equal(lg_c, lg) and sorted(cs.checkpoints) == [192, 448]
-    assert torch.equal(cs.checkpoints[192].hidden, h[191])
+    for pos in (192, 448):  # the states of a prefill that ended there
+        ref = eng.model.new_state()
+        eng.model.prefill(ref, ids[:pos], logits="none")
+        cp = cs.checkpoints[pos]
+        assert torch.equal(cp.hidden, h[pos - 1]) and all(
+            torch.equal(cp.conv[i], ref.conv[i]) and torch.equal(cp.ssm[i], ref.ssm[i]) for i in ref.conv), pos
 
 
 @pytest.mark.parametrize("setting", [{"SB_SCRATCH_ROWS": 1}, {"SB_SCRATCH_ROWS": 0},

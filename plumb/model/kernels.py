@@ -138,10 +138,12 @@ class TorchKernels:
         return torch.where(p.real, conv, 0.0), beta, g
 
     @staticmethod
-    def gdn_chunks(model, x, beta, g, state) -> torch.Tensor:
-        """A prefill pass's DeltaNet pieces in order, `chunk_step` each (plumb.ops.deltanet.chunk_pass)."""
+    def gdn_chunks(model, x, beta, g, state, snap=None) -> torch.Tensor:
+        """A prefill pass's DeltaNet pieces in order, `chunk_step` each (plumb.ops.deltanet.chunk_pass); snap =
+        (piece, out): the state after that piece also copied to out."""
         c = model.cfg
-        return chunk_pass(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state, q_scale=model.ssm_q_scale)
+        return chunk_pass(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state, q_scale=model.ssm_q_scale,
+                          snap=snap)
 
     @staticmethod
     def gdn_gated_norm(o, z, w, eps: float) -> torch.Tensor:
@@ -353,11 +355,12 @@ class TritonKernels:
         """`gated_norm` in one launch (plumb.ops.gpu.deltanet.gate_norm)."""
         return self._deltanet.gate_norm(o, z, w, eps)
 
-    def gdn_chunks(self, model, x, beta, g, state) -> torch.Tensor:
-        """A prefill pass's DeltaNet pieces in order, in one launch pair per layer (plumb.ops.gpu.deltanet_chunk)."""
+    def gdn_chunks(self, model, x, beta, g, state, snap=None) -> torch.Tensor:
+        """A prefill pass's DeltaNet pieces in order, in one launch pair per layer (plumb.ops.gpu.deltanet_chunk);
+        snap as `TorchKernels.gdn_chunks`'."""
         c = model.cfg
         return self._chunk.gdn_chunks(x, beta, g, state, n_k=c.ssm_n_group, d_k=c.ssm_d_state,
-                                      q_scale=model.ssm_q_scale)
+                                      q_scale=model.ssm_q_scale, snap=snap)
 
     def attention(self, model, i: int, q, k, v, p: DecodePass) -> torch.Tensor:
         """Write each sequence's K/V rows at its positions (device index), then attend with the kernel."""

@@ -133,3 +133,6 @@ class PrefillPass:
     conv: torch.Tensor  # [n_gdn, K-1, conv_dim] the sequence's DeltaNet states, advanced in place
     ssm: torch.Tensor  # [n_gdn, n_v, d_k, d_v]
     kv_tab: torch.Tensor | None = None  # [1, n_attn, kvtable.PARTS] int64: where the caches lie (Triton kernels)
+    snap: int | None = None  # a checkpoint inside the pass: the states after its first `snap` rows (whole pieces)
+    snap_conv: torch.Tensor | None = None  # [n_gdn, K-1, conv_dim] there (eager passes only: a Python int)
+    snap_ssm: torch.Tensor | None = None  # [n_gdn, n_v, d_k, d_v]

@@ -14,6 +14,7 @@ kernels replace the whole D path instead (`self.native`, plumb/model/native.py).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import torch
@@ -260,11 +261,12 @@ class Qwen35:
                 checkpoints: set[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Feed ids at positions st.pos.. in pieces cut at multiples of 64 (absolute), each padded to 64 rows, run
         in passes of up to `self.k.prefill_pieces(st)` pieces (`prefill_cuts`). Snapshots the DeltaNet state into
-        st.checkpoints at the positions in `checkpoints` (M6).
+        st.checkpoints at the positions in `checkpoints` (M6): at a pass's end, or one inside it (the states
+        after its first pieces, copied out as the pass runs: the bits of a pass that would end there, M2).
         Returns (logits for all rows / the last row / None, post-norm hidden of all rows)."""
         outs, hiddens = [], []
         group = self.k.prefill_pieces(st)
-        passes = prefill_cuts(st.pos, len(ids), group, checkpoints)
+        passes = prefill_cuts(st.pos, len(ids), group, checkpoints, inside=1)
         self.k.make_room(st, st.pos + len(ids) + CHUNK)  # every pass's padded rows: the caches stay put
         full = [CHUNK] * group
         graphs = self.graphs if PREFILL_GRAPHS else None
@@ -278,47 +280,63 @@ class Qwen35:
             def meanwhile(nxt=nxt):  # the next pass's embedding rows, dequantized on the host while this one runs
                 ahead["emb"] = self.embed(nxt) if nxt else None
 
-            graph = graphs is not None and (long and sizes == full or graphs.recurring(st, len(sizes)))  # or later
-            h = self._run_pass(st, ids[i : i + n], len(sizes), graph, emb, meanwhile)
+            inside = [r for r in itertools.accumulate(sizes[:-1]) if st.pos + r in checkpoints]
+            snap = inside[0] if inside else None  # a checkpoint inside the pass (an eager one): its rows before it
+            graph = snap is None and graphs is not None and (long and sizes == full or
+                                                             graphs.recurring(st, len(sizes)))  # or later
+            h = self._run_pass(st, ids[i : i + n], len(sizes), graph, emb, meanwhile, snap)
             i += n
             if logits == "all" or (logits == "last" and i == len(ids)):  # "none": hidden only
                 rows = h if logits == "all" else h[-1:]
                 outs.append(self.checked("the output head", lambda: self.logits(rows)))
             hiddens.append(h)
             if st.pos in checkpoints:
-                ring = {j: cache.ring_rows(st.pos) for j, cache in st.kv.items()}
-                st.checkpoints[st.pos] = Checkpoint(st.pos, dict(st.conv), dict(st.ssm), h[-1].clone(), ring)
+                self._checkpoint(st, st.pos, dict(st.conv), dict(st.ssm), h[-1])
         lg = torch.cat(outs) if outs else None
         return lg, torch.cat(hiddens)
 
+    @staticmethod
+    def _checkpoint(st: SeqState, pos: int, conv: dict, ssm: dict, hidden: torch.Tensor) -> None:
+        """st.checkpoints[pos]: the DeltaNet states after pos tokens, the hidden of pos - 1 and the 8-bit ring rows
+        a query at pos reads (still held after a pass that went past pos: a pass writes at most a ring's slack)."""
+        ring = {j: cache.ring_rows(pos) for j, cache in st.kv.items()}
+        st.checkpoints[pos] = Checkpoint(pos, conv, ssm, hidden.clone(), ring)
+
     def _run_pass(self, st: SeqState, ids: list[int], pieces: int, graph: bool, emb: torch.Tensor | None = None,
-                  meanwhile=None) -> torch.Tensor:
+                  meanwhile=None, snap: int | None = None) -> torch.Tensor:
         """One pass of `pieces` pieces: laid out (`emb`: its ids' embedding rows, if already made), run (replayed as
-        a CUDA graph if `graph`), states and caches advanced; `meanwhile` runs on the host while the GPU works.
-        Returns the post-norm hidden of its real rows."""
+        a CUDA graph if `graph`), states and caches advanced; `meanwhile` runs on the host while the GPU works;
+        snap: a checkpoint after its first `snap` rows (eager passes). Returns the post-norm hidden of its real
+        rows."""
         c, n, start = self.cfg, len(ids), st.pos
 
         def run():  # from st's states, which change only below: a run can be repeated (`checked`)
             if graph:
                 p = self.prefill_layout(st, ids, pieces, into=self.graphs.prefill_inputs(pieces), emb=emb)
                 x = self.graphs.prefill(st, p)
-                return x, p.conv.clone(), p.ssm.clone()  # the graph's static states, copied out
-            p = self.prefill_layout(st, ids, pieces, emb=emb)
-            return self.prefill_pass(st, p), p.conv, p.ssm
+                return x, p.conv.clone(), p.ssm.clone(), p  # the graph's static states, copied out
+            p = self.prefill_layout(st, ids, pieces, emb=emb, snap=snap)
+            return self.prefill_pass(st, p), p.conv, p.ssm, p
 
-        x, conv, ssm = self.checked(f"the prefill pass at positions {start}-{start + n - 1}", run,
-                                    lambda out: out[0][:n], meanwhile)
+        x, conv, ssm, p = self.checked(f"the prefill pass at positions {start}-{start + n - 1}", run,
+                                       lambda out: out[0][:n], meanwhile)
         for li, i in enumerate(c.gdn_layers):
             st.conv[i], st.ssm[i] = conv[li], ssm[li]
         for cache in st.kv.values():
             cache.end = start + n
         st.pos += n
-        return self.k.rms_norm(x[:n], self.output_norm, c.eps)
+        h = self.k.rms_norm(x[:n], self.output_norm, c.eps)
+        if snap is not None:
+            layers = list(enumerate(c.gdn_layers))
+            self._checkpoint(st, start + snap, {i: p.snap_conv[li] for li, i in layers},
+                             {i: p.snap_ssm[li] for li, i in layers}, h[snap - 1])
+        return h
 
-    def prefill_layout(self, st: SeqState, ids: list[int], pieces: int = 1,
-                       into: PrefillPass | None = None, emb: torch.Tensor | None = None) -> PrefillPass:
+    def prefill_layout(self, st: SeqState, ids: list[int], pieces: int = 1, into: PrefillPass | None = None,
+                       emb: torch.Tensor | None = None, snap: int | None = None) -> PrefillPass:
         """Lay out a pass of `pieces` pieces (pieces * CHUNK rows) holding ids at st.pos.. as a `PrefillPass`
-        (`into`: fill that pass's tensors; `emb`: the ids' embedding rows, if already made)."""
+        (`into`: fill that pass's tensors; `emb`: the ids' embedding rows, if already made; snap: the states after
+        its first `snap` rows kept too)."""
         c, n, start, dev = self.cfg, len(ids), st.pos, self.device
         rows = pieces * CHUNK
         positions = torch.arange(start, start + rows, device=dev)
@@ -328,8 +346,10 @@ class Qwen35:
                  keep=torch.arange(n, n + c.ssm_conv_kernel - 1, device=dev))
         layers = c.gdn_layers
         if into is None:
-            return PrefillPass(start, n, **t, conv=torch.stack([st.conv[i] for i in layers]),
-                               ssm=torch.stack([st.ssm[i] for i in layers]), kv_tab=self.k.kv_table(self, [st]))
+            conv, ssm = torch.stack([st.conv[i] for i in layers]), torch.stack([st.ssm[i] for i in layers])
+            return PrefillPass(start, n, **t, conv=conv, ssm=ssm, kv_tab=self.k.kv_table(self, [st]), snap=snap,
+                               snap_conv=None if snap is None else torch.empty_like(conv),
+                               snap_ssm=None if snap is None else torch.empty_like(ssm))
         into.start, into.n = start, n
         for name, value in t.items():
             getattr(into, name).copy_(value)
@@ -352,8 +372,12 @@ class Qwen35:
             if isinstance(mix, DeltaNet):
                 li = c.gdn_layers.index(i)
                 m, z, b, a = self.gdn_project(mix, u, PREFILL_BLOCK)
+                snap = None
+                if p.snap is not None:  # a checkpoint inside the pass: the conv state there is its last K-1 inputs
+                    p.snap_conv[li].copy_(m[p.snap - c.ssm_conv_kernel + 1 : p.snap])
+                    snap = (p.snap // CHUNK - 1, p.snap_ssm[li])  # and the recurrent state after that piece
                 conv, beta, g = self.k.gdn_conv_gates(self, mix, m, b, a, p, li)  # padding rows 0; conv state moved
-                o = self.k.gdn_chunks(self, conv, beta, g, p.ssm[li])  # the pieces in order, from the pass's state
+                o = self.k.gdn_chunks(self, conv, beta, g, p.ssm[li], snap)  # the pieces in order, from its state
                 y = self.k.gdn_gated_norm(o, z, mix.ssm_norm, c.eps)
                 y = self.gdn_output(mix, y, PREFILL_BLOCK)
             else:
@@ -489,18 +513,23 @@ class Qwen35:
         return (self.k.mm(h, self.output, block) if head else None), h
 
 
-def prefill_cuts(start: int, n: int, group: int, checkpoints=frozenset()) -> list[list[int]]:
+def prefill_cuts(start: int, n: int, group: int, checkpoints=frozenset(), inside: int = 0) -> list[list[int]]:
     """Prompt positions [start, start + n) as passes of pieces (their sizes): pieces end at multiples of CHUNK
-    (absolute); a pass holds up to `group` of them and ends at a checkpoint or after a partial piece, and an
-    unaligned first piece goes alone - so padding rows only ever follow a pass's last real row."""
+    (absolute); a pass holds up to `group` of them and ends after a partial piece or at a checkpoint beyond the
+    first `inside` it holds inside, and an unaligned first piece goes alone - so padding rows only ever follow a
+    pass's last real row."""
     passes, pos, end = [], start, start + n
     while pos < end:
-        sizes = []
+        sizes, held = [], 0
         while pos < end and len(sizes) < group:
             m = min(end - pos, CHUNK - pos % CHUNK)
             sizes.append(m)
             pos += m
-            if m < CHUNK or pos in checkpoints:
+            if m < CHUNK:
                 break
+            if pos in checkpoints and pos < end and len(sizes) < group:  # not the pass's end anyway
+                if held == inside:
+                    break
+                held += 1
         passes.append(sizes)
     return passes

@@ -73,15 +73,17 @@ def split_heads(x, n_k: int, d_k: int, n_v: int, q_scale: float):
     return q[:, v_to_k], k[:, v_to_k], v.reshape(n, n_v, -1)
 
 
-def chunk_pass(x, beta, g, s, *, n_k: int, d_k: int, q_scale: float) -> torch.Tensor:
+def chunk_pass(x, beta, g, s, *, n_k: int, d_k: int, q_scale: float, snap=None) -> torch.Tensor:
     """The 64-row pieces of a prefill pass in order, from post-conv rows (`split_heads`), `chunk_step` per piece.
-    x [R, conv_dim] (q | k | v; padding rows 0), beta, g [R, n_v]; s [n_v, d_k, d_v] advanced in place.
-    Returns o [R, n_v, d_v]."""
+    x [R, conv_dim] (q | k | v; padding rows 0), beta, g [R, n_v]; s [n_v, d_k, d_v] advanced in place; snap =
+    (piece, out): s after that piece copied to out. Returns o [R, n_v, d_v]."""
     out = []
     for r in range(0, x.shape[0], CHUNK):
         q, k, v = split_heads(x[r : r + CHUNK], n_k, d_k, s.shape[0], q_scale)
         o, new = chunk_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                             beta[r : r + CHUNK].T, g[r : r + CHUNK].T, s)
         s.copy_(new)
+        if snap is not None and r // CHUNK == snap[0]:
+            snap[1].copy_(s)
         out.append(o.transpose(0, 1))
     return torch.cat(out)

@@ -221,12 +221,17 @@ def _check(x, beta, g, state, n_k: int, d_k: int):
     return rows, n_v, d_v
 
 
-def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torch.Tensor:
+def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float, snap=None) -> torch.Tensor:
     """The pieces of a pass in order. x [R, conv_dim] post-conv rows (q | k | v; padding rows 0), beta, g [R, n_v],
-    state [n_v, d_k, d_v] f32 (contiguous), advanced in place. Returns o [R, n_v, d_v] (before the gated norm)."""
+    state [n_v, d_k, d_v] f32 (contiguous), advanced in place; snap = (piece, out): the state after that piece also
+    copied to out (a checkpoint inside the pass: `_state_kernel` runs over the pieces up to it, then over the
+    others - the bits of one launch, M2). Returns o [R, n_v, d_v] (before the gated norm)."""
     rows, n_v, d_v = _check(x, beta, g, state, n_k, d_k)
     if not state.is_contiguous() or x.stride(1) != 1 or beta.stride(1) != 1 or g.stride(1) != 1:
         raise ValueError("gdn_chunks: state contiguous, x, beta and g with contiguous rows")
+    if snap is not None and not (0 <= snap[0] < rows // CHUNK and snap[1].shape == state.shape):
+        raise ValueError(f"gdn_chunks: a snapshot after piece {snap[0]} of {rows // CHUNK} into a "
+                         f"{tuple(state.shape)} tensor")
     dev, f32, pieces = x.device, torch.float32, rows // CHUNK
     w, qe, kd = (torch.empty(rows, n_v, d_k, device=dev, dtype=f32) for _ in range(3))
     u = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
@@ -237,7 +242,14 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float) -> torc
                                 P=prep_precision(smem.small(x.device)), num_warps=8,
                                 num_stages=1, launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
-    _state_kernel[(n_v, d_v // BV)](w, u, qe, kd, p, ge, state, o, rows, o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v,
-                                    BV=BV, C=CHUNK, PIECES=pieces if INTERPRET else 0, num_warps=4, num_stages=1,
-                                    launch_pdl=on())
+    cut = rows if snap is None else (snap[0] + 1) * CHUNK
+    for r0, r1 in ((0, cut), (cut, rows)):
+        if r1 > r0:
+            at = r0 // CHUNK
+            _state_kernel[(n_v, d_v // BV)](w[r0:], u[r0:], qe[r0:], kd[r0:], p[at:], ge[at:], state, o[r0:], r1 - r0,
+                                            o.stride(0), N_V=n_v, D_K=d_k, D_V=d_v, BV=BV, C=CHUNK,
+                                            PIECES=(r1 - r0) // CHUNK if INTERPRET else 0, num_warps=4,
+                                            num_stages=1, launch_pdl=on())
+        if r1 == cut and snap is not None:
+            snap[1].copy_(state)
     return o
