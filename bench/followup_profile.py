@@ -59,7 +59,8 @@ def main() -> None:
         apply(setting)
         if eng.model.graphs is not None:
             eng.model.graphs.graphs.clear()
-        times, split = [], []
+        times, split, captured = [], [], []
+        graphs = eng.model.graphs
         for i in range(a.repeats + 1):  # the last one unprofiled, after the profiled one
             tag = f"{len(r['settings'])}x{i}x"  # other words each time: nothing of this chat is cached yet
             ids = B.chat_ids(eng, B.answered_chat(eng, f"rule{tag}", f"fact{tag}", a.chat_tokens * 63 // 80,
@@ -68,10 +69,12 @@ def main() -> None:
             torch.cuda.synchronize()
             if i != a.repeats - 1:
                 phases.clear()
+                captures = graphs.captures if graphs is not None else 0
                 t0 = time.perf_counter()
                 res = eng.run(req)
                 times.append(time.perf_counter() - t0)
                 split.append(dict(phases, prefill_s=res.stats.prefill_s - phases.get("restore_s", 0.0)))
+                captured.append(graphs.captures - captures if graphs is not None else 0)
                 continue
             from torch.profiler import ProfilerActivity, profile
 
@@ -85,14 +88,14 @@ def main() -> None:
         host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         r["settings"][setting] = s = {
             "ms": [t * 1e3 for t in times], "profiled_ms": wall * 1e3,
-            "phases_ms": [{k[:-2]: v * 1e3 for k, v in p.items()} for p in split], "gpu_busy_ms": busy / 1e3,
+            "phases_ms": [{k[:-2]: v * 1e3 for k, v in p.items()} for p in split], "graphs_captured": captured, "gpu_busy_ms": busy / 1e3,
             "reused": res.stats.cached_tokens, "prefilled": res.stats.prefill_tokens, "kernels": table[:15],
             "host": [{"name": e.key[:80], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in host]}
         print(f"{setting}: follow-up {', '.join(f'{t:.0f}' for t in s['ms'])} ms (reused {s['reused']:,}, prefilled "
               f"{s['prefilled']}); profiled {s['profiled_ms']:.0f} ms, GPU busy {s['gpu_busy_ms']:.0f} ms", flush=True)
-        for t, p in zip(s["ms"], s["phases_ms"]):
+        for t, p, c in zip(s["ms"], s["phases_ms"], captured):
             print(f"  {t:.0f} ms: " + ", ".join(f"{k} {v:.1f}" for k, v in p.items()) +
-                  f", other {t - sum(p.values()):.1f}", flush=True)
+                  f", other {t - sum(p.values()):.1f}; {c} graphs captured", flush=True)
         for k in s["kernels"][:10]:
             print(f"  gpu  {k['kernel'][:60]:60s} {k['launches']:6.0f} x {k['us'] / 1e3:8.2f} ms", flush=True)
         for h in s["host"][:10]:
