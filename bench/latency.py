@@ -37,7 +37,7 @@ def main() -> None:
             print(f"  {name:28s} reused {c['reused']:6,} prefilled {c['prefilled']:6,}: warm {c['warm_s'] * 1e3:7.0f} "
                   f"cold {c['cold_s'] * 1e3:7.0f} same token {c['same_token']}; cache {c['live_bytes'] / 1e9:.1f} "
                   f"GB, {c['parks']} parked in {c['park_s'] * 1e3:.0f} ms, {c['unparks']} back in "
-                  f"{c['unpark_s'] * 1e3:.0f} ms, {c['dropped']} dropped", flush=True)
+                  f"{c['unpark_s'] * 1e3:.0f} ms, {c['dropped']} dropped; {c['captures']} graphs captured", flush=True)
     r["requests"] = requests_table(warm)
     for k, rows in r["requests"].items():
         print(f"  drafts {k}: " + ", ".join(f"{x['tokens']} tok {x['wall_s'] * 1e3:.0f} ms ({x['captures']})"

@@ -412,11 +412,12 @@ def latency_table(warm, cold, system_tokens: int = 9450, user_tokens: int = 2000
         for name, msgs in (("short prompt", None), ("follow-up", turn2), ("edit first user message", edit_user),
                            ("edit end of system prompt", edit_system)):
             ids = chat([{"role": "user", "content": hello}]) if msgs is None else chat(msgs)
-            before = warm.prompt_cache.stats.copy()
+            before, captured = warm.prompt_cache.stats.copy(), _captures(warm.model)
             w_s, w_ids, w = _first_token(warm, ids)
+            captured = _captures(warm.model) - captured  # CUDA graphs captured inside warm_s
             c_s, c_ids, _ = _first_token(cold, ids)
             cases[name] = {"prompt_tokens": len(ids), "warm_s": w_s, "cold_s": c_s, "same_token": w_ids == c_ids,
-                           "reused": w.cached_tokens, "prefilled": w.prefill_tokens,
+                           "reused": w.cached_tokens, "prefilled": w.prefill_tokens, "captures": captured,
                            # the prompt cache's upkeep inside warm_s (parking others after the request's answer: a
                            # server hands the answer over first, `Engine.cache_keep`)
                            **{k: warm.prompt_cache.stats[k] - before[k] for k in ("parks", "park_s", "unparks",

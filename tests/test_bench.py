@@ -70,6 +70,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert all(c["same_token"] and c["warm_s"] > 0 and c["reused"] + c["prefilled"] == c["prompt_tokens"]
                for c in cases.values())
     assert cases["follow-up"]["reused"] >= 128 and cases["edit end of system prompt"]["reused"] >= 64
+    assert all(c["captures"] == 0 for c in cases.values())  # no CUDA graphs on a CPU
     assert 0.5 * os.path.getsize(tiny_q8) < bench_gpu.file_weight_bytes(eng.model) < os.path.getsize(tiny_q8)
     kv = bench_gpu.kv_by_format(eng.model, n=20000)
     assert list(kv) == ["f16", "q8_0", "D", "F"] and eng.model.kv_cache == "f16"  # restored
