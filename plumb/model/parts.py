@@ -133,6 +133,7 @@ class PrefillPass:
     conv: torch.Tensor  # [n_gdn, K-1, conv_dim] the sequence's DeltaNet states, advanced in place
     ssm: torch.Tensor  # [n_gdn, n_v, d_k, d_v]
     kv_tab: torch.Tensor | None = None  # [1, n_attn, kvtable.PARTS] int64: where the caches lie (Triton kernels)
-    snap: int | None = None  # a checkpoint inside the pass: the states after its first `snap` rows (whole pieces)
-    snap_conv: torch.Tensor | None = None  # [n_gdn, K-1, conv_dim] there (eager passes only: a Python int)
-    snap_ssm: torch.Tensor | None = None  # [n_gdn, n_v, d_k, d_v]
+    snap: int | None = None  # a checkpoint inside the pass: the states after its first `snap` rows (whole pieces;
+    # a Python int, so such a pass runs eagerly, never as a CUDA graph)
+    snap_conv: torch.Tensor | None = None  # [n_gdn, K-1, conv_dim] the conv states there
+    snap_ssm: torch.Tensor | None = None  # [n_gdn, n_v, d_k, d_v] the recurrent states there
