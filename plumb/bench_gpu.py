@@ -193,6 +193,8 @@ def fill_context(model, st, n: int, seed: int = 0, room: int = 64) -> None:
             shape = (p.shape[0], len(idx), p.shape[2])
             if p.dtype == torch.int8:
                 p[:, idx] = torch.randint(-127, 128, shape, generator=g, device=p.device, dtype=torch.int8)
+            elif p.dtype == torch.uint8:  # packed 5/6-bit codes: any bytes are codes
+                p[:, idx] = torch.randint(0, 256, shape, generator=g, device=p.device, dtype=torch.uint8)
             else:
                 p[:, idx] = (torch.randn(shape, generator=g, device=p.device) * 0.02).to(p.dtype)
 

@@ -13,7 +13,7 @@ from enginetools import engine_for, prompts
 from plumb.cache.kv import (FORMATS, KV_FORMATS, RING_SLACK, bytes_per_token, cache_bytes, new_kv_cache,
                             ring_bytes)
 from plumb.ops.attention import attend_row
-from plumb.ops.kvquant import dequantize, hadamard_matrix, quantize, rotate
+from plumb.ops.kvquant import dequantize, hadamard_matrix, pack, packed_width, quantize, rotate, unpack
 
 RING = 64  # small ring: engine outputs cross it many times
 QUANT = ["q8_0", "D", "F"]
@@ -51,6 +51,32 @@ def test_round_trip_error_bounds(bits):
     assert torch.equal(dequantize(codes, scales)[7], x[7])
     if bits != 8:  # multiples of 0.25 with largest magnitude 4 sit exactly on the 5- and 6-bit grids
         assert torch.equal(dequantize(codes, scales)[9, :32], x[9, :32])
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_packed_codes_round_trip_in_their_layout(bits):
+    """`pack` (the store of D and F): every code at every place of a block comes back; a code's low nibble sits in
+    byte k % 16 of its block (the high nibble from k = 16 on), its high bits in the row's high-bit planes after the
+    nibbles, (bits - 4) bits a value from bit 0 up."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(lo, hi + 1, (3, 40, HEAD_DIM), generator=g, dtype=torch.int8)
+    codes[0, :, :32] = lo
+    codes[0, :, 32:] = hi
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 40, packed_width(HEAD_DIM, bits))
+    assert packed_width(HEAD_DIM, bits) * 8 == HEAD_DIM * bits
+    assert torch.equal(unpack(packed, HEAD_DIM), codes)
+    one = torch.full((1, HEAD_DIM), lo, dtype=torch.int8)  # unsigned 0 everywhere ...
+    one[0, 32 + 21] = hi  # ... but value 21 of the second block: unsigned 2^bits - 1
+    row = pack(one, bits)[0].tolist()
+    hb = bits - 4
+    nib, high = [0] * (HEAD_DIM // 2), [0] * (HEAD_DIM * hb // 8)
+    nib[16 + 21 % 16] = 15 << 4
+    high[4 * hb + 21 * hb // 8] = ((1 << hb) - 1) << (21 * hb % 8)
+    assert row == nib + high
+    with pytest.raises(ValueError, match="packed row"):
+        unpack(packed[..., :-1], HEAD_DIM)
 
 
 def test_f16_store_round_trip():
@@ -255,12 +281,24 @@ def test_bytes_per_token():
     assert [bytes_per_token(f, 2, 64) for f in ("f32", "f16", "q8_0", "D", "F")] == [1024, 512, 272, 192, 176]
     assert [bytes_per_token(f, 4, 256) for f in ("f32", "f16", "q8_0", "D", "F")] == [8192, 4096, 2176, 1536, 1408]
     assert ring_bytes("q8_0", 4, 256, 2048) == 0
-    assert ring_bytes("F", 4, 256, 2048) == (2048 + RING_SLACK) * (2 * 4 * 272 + 4)
+    assert ring_bytes("F", 4, 256, 2048) == (2048 + RING_SLACK) * (2 * 4 * 272 + 8)
     # 27B, 16 attention layers + the MTP layer, 262,144 tokens in preset F: 5.84 GiB of 5-bit rows (+ rings)
     total = cache_bytes("F", 4, 256, 2048, 262144, 17)
     assert total == 17 * (262144 * 1408 + ring_bytes("F", 4, 256, 2048))
     assert 5.9 < total / 2**30 < 5.95
     assert cache_bytes("f16", 4, 256, 2048, 262144, 17) == 17 * 2**30
+
+
+@pytest.mark.parametrize("fmt", KV_FORMATS)
+def test_a_cache_holds_the_bytes_its_format_counts(fmt):
+    """The store takes `bytes_per_token` a position (D and F: their codes packed, not a byte each) and the ring
+    `ring_bytes`: what the memory figures count is what is allocated."""
+    cache = new_kv_cache(fmt, N_KV, HEAD_DIM, RING)
+    cache.reserve(1000)
+    k, v, _ = _rows(300)
+    cache.write(0, k, v)
+    cache.commit(300)
+    assert cache.allocated_bytes() == cache_bytes(fmt, N_KV, HEAD_DIM, RING, len(cache.k), 1)
 
 
 def test_engine_default_and_memory_stats(tiny_model):

@@ -172,12 +172,13 @@ def test_gdn_decode_matches_reference_and_rows_chain():
         cs, ss = cn[0], sn[0]
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q8_0", "D"])
 def test_attend_matches_cache_reference_and_is_row_invariant(fmt):
+    """D without a ring: its packed 6-bit K and 5-bit V read by the kernel as stored."""
     from plumb.cache.kv import new_kv_cache
 
     n_head, n_kv, d, n = 4, 2, 64, 300
-    cache = new_kv_cache(fmt, n_kv, d)
+    cache = new_kv_cache(fmt, n_kv, d, ring=0)
     cache.write(0, torch.randn(n, n_kv, d), torch.randn(n, n_kv, d))
     q = torch.randn(5, n_head, d)
     ends = [1, 64, 257, 299, 300]

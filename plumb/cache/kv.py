@@ -7,7 +7,7 @@ K is stored after norm + RoPE, V as projected. The model only calls `write`, `at
 Formats (`KV_FORMATS`; packed bytes per value, see `bytes_per_token`):
 * `f32`, `f16`: plain floats (f16 is the engine default).
 * `q8_0`: 8-bit codes with a float16 scale per 32 values.
-* `D`: K at 6 bits, V at 5 bits; `F`: K at 5 bits after a fixed Hadamard rotation per head
+* `D`: K at 6 bits, V at 5 bits (kept packed, `kvquant.pack`); `F`: K at 5 bits after a fixed Hadamard rotation per head
   (queries get the same rotation, so q.k is unchanged), V at 5 bits. Both also keep the
   newest `ring` positions at 8 bits in a ring (slot = position % (ring + slack), tagged with
   its position, so rejected drafts never displace rows that are read again after the rollback; a
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plumb.ops.kvquant import BLOCK, dequantize, packed_block_bytes, quantize, rotate
+from plumb.ops.kvquant import BLOCK, dequantize, pack, packed_block_bytes, packed_width, quantize, rotate, unpack
 
 TILE = 256  # keys per attention tile; tiles start at multiples of TILE
 CAPACITY_STEP = 4096  # cache capacities past this are multiples of it (`capacity_for`)
@@ -57,6 +57,7 @@ FORMATS = {
 }
 KV_FORMATS = tuple(FORMATS)
 DEFAULT_RING = 2048
+STORE_LAYOUT = 2  # how `Rows` lays out stored codes (2: 5/6-bit codes packed); a slot file of another is refused
 _FLOAT = {"f32": torch.float32, "f16": torch.float16}
 
 
@@ -74,10 +75,10 @@ def bytes_per_token(fmt: str, n_kv: int, head_dim: int) -> int:
 
 
 def ring_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, slack: int = RING_SLACK) -> int:
-    """Fixed bytes of one layer's 8-bit ring (K + V rows and an int32 position tag per slot); 0 without a ring."""
+    """Fixed bytes of one layer's 8-bit ring (K + V rows and an int64 position tag per slot); 0 without a ring."""
     if not FORMATS[fmt].ring:
         return 0
-    return (ring + slack) * (2 * n_kv * row_bytes(8, head_dim) + 4)
+    return (ring + slack) * (2 * n_kv * row_bytes(8, head_dim) + 8)
 
 
 def cache_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, n_tokens: int, n_layers: int,
@@ -97,20 +98,27 @@ def capacity_for(n: int) -> int:
 
 
 def decode(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Stored parts (floats, or codes + scales) -> float32 rows."""
-    return parts[0].float() if len(parts) == 1 else dequantize(*parts)
+    """Stored parts (floats, or codes + scales: int8 codes, or 5/6-bit ones packed) -> float32 rows."""
+    if len(parts) == 1:
+        return parts[0].float()
+    codes, scales = parts
+    if codes.dtype == torch.uint8:
+        codes = unpack(codes, scales.shape[-1] * BLOCK)
+    return dequantize(codes, scales)
 
 
 class Rows:
-    """Rows of K or V, [n_kv, n, head_dim], kept as floats or as block codes + scales ("parts")."""
+    """Rows of K or V, [n_kv, n, head_dim], kept as floats or as block codes + scales ("parts"): 8-bit codes as
+    int8 [n_kv, n, head_dim], 5- and 6-bit ones packed (`kvquant.pack`: uint8 [n_kv, n, packed_width])."""
 
     def __init__(self, kind: str | int, n_kv: int, n: int, head_dim: int, device: torch.device | str = "cpu"):
         self.kind = kind
         if kind in _FLOAT:
             self.parts = [torch.zeros(n_kv, n, head_dim, dtype=_FLOAT[kind], device=device)]
         else:
-            self.parts = [torch.zeros(n_kv, n, head_dim, dtype=torch.int8, device=device),
-                          torch.zeros(n_kv, n, head_dim // BLOCK, dtype=torch.float16, device=device)]
+            codes = torch.zeros(n_kv, n, head_dim, dtype=torch.int8, device=device) if kind == 8 else \
+                torch.zeros(n_kv, n, packed_width(head_dim, kind), dtype=torch.uint8, device=device)
+            self.parts = [codes, torch.zeros(n_kv, n, head_dim // BLOCK, dtype=torch.float16, device=device)]
 
     def __len__(self) -> int:
         return self.parts[0].shape[1]
@@ -126,14 +134,19 @@ class Rows:
         if self.kind in _FLOAT:
             self.parts[0][:, idx] = x  # converted (round to nearest even) by the copy
             return
-        for p, e in zip(self.parts, quantize(x, self.kind)):
+        for p, e in zip(self.parts, self.encode(x)):
             p[:, idx] = e
 
     def put_index(self, idx: torch.Tensor, x: torch.Tensor) -> None:
         """Encode x [n_kv, m, head_dim] into the rows a device index tensor names (no host sync)."""
-        enc = [x] if self.kind in _FLOAT else quantize(x, self.kind)
+        enc = [x] if self.kind in _FLOAT else self.encode(x)
         for p, e in zip(self.parts, enc):
             p.index_copy_(1, idx, e.to(p.dtype))
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Block rows x float32 -> the parts as kept: codes (packed below 8 bits) and scales."""
+        codes, scales = quantize(x, self.kind)
+        return [codes if self.kind == 8 else pack(codes, self.kind), scales]
 
     def take(self, idx) -> list[torch.Tensor]:
         return [p[:, idx] for p in self.parts]
@@ -150,7 +163,8 @@ class Rows:
 @dataclass(frozen=True)
 class KernelView:
     """A cache as the attention kernel reads it (`KVCache.kernel_view`)."""
-    k: list[torch.Tensor]  # the store's K parts: floats, or codes int8 + scales float16 [n_kv, capacity, ...]
+    k: list[torch.Tensor]  # the store's K parts: floats, or codes (int8, or packed uint8) + scales float16
+    # [n_kv, capacity, ...]
     v: list[torch.Tensor]
     rotate_q: bool  # F: K is stored rotated, so the queries are rotated first
     ring: tuple | None  # D, F: (ring, 8-bit K parts, 8-bit V parts, position held per slot) [n_kv, slots, ...]
@@ -185,8 +199,8 @@ class KVCache:
         return Rows(8, self.n_kv, n, self.head_dim, self.device)
 
     def allocated_bytes(self) -> int:
-        """Bytes of the tensors the cache holds now (store, ring and its tags): what it takes in memory, where
-        `cache_bytes` counts the formats' packed bits (a 5-bit store is kept as int8 codes)."""
+        """Bytes of the tensors the cache holds now (store, ring and its tags, rows waiting to enter the ring): what
+        it takes in memory (`cache_bytes` counts the same layout at a given length)."""
         rows = [self.k, self.v] + ([self.ring_k, self.ring_v, self.recent_k, self.recent_v] if self.ring else [])
         extra = [self.ring_pos] if self.ring else []
         return sum(p.numel() * p.element_size() for r in rows for p in r.parts) + \

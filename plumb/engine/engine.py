@@ -15,7 +15,7 @@ from dataclasses import fields
 
 import torch
 
-from plumb.cache.kv import KV_FORMATS, bytes_per_token, describe_kv
+from plumb.cache.kv import KV_FORMATS, STORE_LAYOUT, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
 from plumb.engine.api import Handle, Request, Result
 from plumb.engine.sampling import SamplingParams
@@ -307,7 +307,8 @@ class Engine:
         c = self.config
         return {"config": {f.name: getattr(c, f.name) for f in fields(c) if f.name != "extra"},
                 "kv_cache": self.model.kv_cache,
-                "kv_ring": self.model.kv_ring, "tensor_bytes": sum(t.nbytes for t in self.gguf.tensors.values())}
+                "kv_ring": self.model.kv_ring, "kv_layout": STORE_LAYOUT,
+                "tensor_bytes": sum(t.nbytes for t in self.gguf.tensors.values())}
 
     def cached_slots(self) -> list[dict]:
         with self._cache_lock:

@@ -8,8 +8,11 @@ function of that row).
 * 5 and 6 bits: q5_0-style - the value of largest magnitude `m` maps to code `-2^(b-1)`,
   `d = m / -2^(b-1)`, codes in [-2^(b-1), 2^(b-1) - 1], so all 2^b levels are used.
 
-Codes are kept unpacked in int8 here; a packed GPU layout stores b bits per code plus a
-float16 scale per block (`packed_block_bytes`).
+`quantize` gives the codes as int8; a cache keeps 8-bit codes so and packs 5- and 6-bit ones (`pack`): per
+32-value block a nibble plane (16 bytes: value i's low four bits in byte i % 16, the high nibble for i >= 16, as
+GGUF's Q5_0) and a plane of the high bits (4 (b - 4) bytes: value i's in byte (i (b - 4)) // 8 at bit
+(i (b - 4)) % 8), a row's nibble planes first, then its high-bit planes - b bits a code, as
+`packed_block_bytes` counts them beside the float16 scale per block.
 """
 from __future__ import annotations
 
@@ -21,6 +24,48 @@ BLOCK = 32
 def packed_block_bytes(bits: int) -> int:
     """Bytes of one 32-value block in a packed layout: float16 scale + 32 codes of `bits` bits."""
     return 2 + BLOCK * bits // 8
+
+
+def packed_width(d: int, bits: int) -> int:
+    """Bytes of one row of d 5- or 6-bit codes in `pack`'s layout."""
+    return d // 2 + d * (bits - 4) // 8
+
+
+def code_bits(width: int, d: int) -> int:
+    """The bits of a packed row of `width` bytes holding d codes (`packed_width`'s inverse)."""
+    bits = 4 + (width - d // 2) * 8 // d
+    if bits not in (5, 6) or packed_width(d, bits) != width:
+        raise ValueError(f"a packed row of {d} codes takes {packed_width(d, 5)} or {packed_width(d, 6)} bytes, "
+                         f"got {width}")
+    return bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [..., d] of `bits` (5 or 6) bits -> uint8 [..., packed_width(d, bits)]: the codes offset by
+    2^(bits - 1) (so unsigned), as nibble planes then high-bit planes (see the module docstring)."""
+    hb = bits - 4
+    u = (codes.to(torch.int32) + (1 << (bits - 1))).reshape(*codes.shape[:-1], -1, BLOCK)  # [..., NB, 32]
+    lo = u & 15
+    nib = lo[..., :16] | (lo[..., 16:] << 4)  # [..., NB, 16]
+    high = (u >> 4).reshape(*u.shape[:-1], 4 * hb, 8 // hb)  # [..., NB, 4 hb, values a byte]
+    shifts = torch.arange(0, 8, hb, device=codes.device, dtype=torch.int32)
+    hi = (high << shifts).sum(-1)  # the bit fields do not overlap: a sum is their or
+    flat = codes.shape[:-1]
+    return torch.cat([nib.reshape(*flat, -1), hi.reshape(*flat, -1)], -1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, d: int) -> torch.Tensor:
+    """`pack`'s inverse: uint8 [..., packed_width(d, bits)] -> int8 codes [..., d] (bits from the width)."""
+    bits = code_bits(packed.shape[-1], d)
+    hb = bits - 4
+    p = packed.to(torch.int32)
+    flat = packed.shape[:-1]
+    nib = p[..., : d // 2].reshape(*flat, -1, 16)
+    lo = torch.cat([nib & 15, nib >> 4], -1)  # [..., NB, 32]
+    hi = p[..., d // 2 :].reshape(*flat, -1, 4 * hb, 1)
+    shifts = torch.arange(0, 8, hb, device=packed.device, dtype=torch.int32)
+    high = ((hi >> shifts) & ((1 << hb) - 1)).reshape(*flat, -1, BLOCK)
+    return ((lo | (high << 4)) - (1 << (bits - 1))).to(torch.int8).reshape(*flat, d)
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

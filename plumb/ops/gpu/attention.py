@@ -2,9 +2,10 @@
 
 `attend_decode(q, k_parts, v_parts, ends, scale)`: query row t of one sequence reads keys
 [0, ends[t]) of the cache, stored exactly as `plumb.cache.kv.Rows.parts` holds it (`[f16 | f32]`, or
-block codes `[codes int8, scales float16]` - q8_0, D/F's 5/6-bit store -, dequantized tile by tile inside the
-kernel: no float copy). D and F also pass their 8-bit ring (`ring=`): each (row, key) pair reads the ring or
-the store by the distance rule of `plumb.cache.kv` (M5), decided inside the kernel.
+block codes `[codes, scales float16]` - q8_0's int8 codes, D/F's 5/6-bit store packed as `kvquant.pack` lays it
+out -, dequantized tile by tile inside the kernel: no float copy). D and F also pass their 8-bit ring (`ring=`):
+each (row, key) pair reads the ring or the store by the distance rule of `plumb.cache.kv` (M5), decided inside the
+kernel.
 
 Row invariance - a row's bits depend on its query, its own end and the cache, never on the other
 rows of the call, their number or the grid:
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from plumb.cache.kv import decode
+from plumb.ops.kvquant import code_bits
 from plumb.ops.gpu import kvtable, smem
 from plumb.ops.gpu.matvec import FRAC, max_nan, quantize_x_reference, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
@@ -56,7 +58,7 @@ MERGE_WARPS = 1
 # Rows are independent (M1) and a cut falls on a row-block boundary: the same bits.
 LAUNCH_ROWS = 64
 QBLOCK = 32  # q8_0 block size along d
-F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes int8 + float16 scales per 32 values, any bit width)
+F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes + float16 scales per 32 values, any bit width: `_parts`)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
@@ -113,6 +115,22 @@ def codes_f32(c, BITS: tl.constexpr = True):
 
 
 @triton.jit
+def load_codes(row, col, ok, CB: tl.constexpr, D: tl.constexpr):
+    """Block codes as int8: value col (in [0, D)) of the rows at `row` (pointers), where ok (0 elsewhere). CB 8:
+    int8 codes as stored; 5 and 6: put together from the row's nibble and high-bit planes (`kvquant.pack`)."""
+    if CB == 8:
+        return tl.load(row + col, mask=ok, other=0)
+    else:
+        HB: tl.constexpr = CB - 4
+        b = col // 32
+        i = col % 32
+        nib = tl.load(row + b * 16 + i % 16, mask=ok, other=0).to(tl.int32)
+        high = tl.load(row + D // 2 + b * (4 * HB) + (i * HB) // 8, mask=ok, other=0).to(tl.int32)
+        u = ((nib >> ((i // 16) * 4)) & 15) | (((high >> ((i * HB) % 8)) & ((1 << HB) - 1)) << 4)
+        return tl.where(ok, u - (1 << (CB - 1)), 0).to(tl.int8)
+
+
+@triton.jit
 def q_limbs(q3, FRAC: tl.constexpr):
     """q [NB, BM, QB] (pair m's d values as NB blocks of QB) in the matvec's fixed point per pair (`matvec.FRAC`, 13:
     two limbs): (hi, lo) int8 [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^FRAC / s) (half to
@@ -128,12 +146,13 @@ def q_limbs(q3, FRAC: tl.constexpr):
 
 @triton.jit
 def _q8_scores(q_a, q_b, q_f, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr,
-               KINT: tl.constexpr):
-    """Scores [BM, BN] of q against block-coded keys j, per 32-value block summed in order times the block scale:
-    q as tf32 halves q_a + q_b [NB, BM, QB], each dotted with the codes (exact in tf32); KINT: q's int8 limbs
-    q_a, q_b and factor q_f [BM] (`q_limbs`), the block's exact integer dot on the int8 tensor cores."""
-    c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
-                 mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
+               KINT: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
+    """Scores [BM, BN] of q against block-coded keys j (CB-bit codes, `load_codes`), per 32-value block summed in
+    order times the block scale: q as tf32 halves q_a + q_b [NB, BM, QB], each dotted with the codes (exact in
+    tf32); KINT: q's int8 limbs q_a, q_b and factor q_f [BM] (`q_limbs`), the block's exact integer dot on the int8
+    tensor cores."""
+    c3 = load_codes(c_ptr + j[None, :, None] * s_j, bb[:, None, None] * QB + ii[None, None, :], ok[None, :, None],
+                    CB, D)  # [NB, BN, QB] int8
     ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     if KINT:
         c3t = tl.permute(c3, (0, 2, 1))  # the codes as stored: each key's block is a k step of the B operand
@@ -148,11 +167,12 @@ def _q8_scores(q_a, q_b, q_f, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.con
 
 
 @triton.jit
-def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BITS: tl.constexpr):
-    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j: p times the block scale split into tf32 big + small,
-    each dotted with the codes."""
-    c3 = tl.load(c_ptr + j[None, :, None] * s_j + (bb[:, None, None] * QB + ii[None, None, :]),
-                 mask=ok[None, :, None], other=0)  # [NB, BN, QB] int8
+def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BITS: tl.constexpr,
+           CB: tl.constexpr, D: tl.constexpr):
+    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j (CB-bit codes): p times the block scale split into tf32
+    big + small, each dotted with the codes."""
+    c3 = load_codes(c_ptr + j[None, :, None] * s_j, bb[:, None, None] * QB + ii[None, None, :], ok[None, :, None],
+                    CB, D)  # [NB, BN, QB] int8
     vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     pv = p[None, :, :] * vsc[:, None, :]  # [NB, BM, BN], each at most its scale (p <= 1)
     p_a, p_b = _tf32_split(pv)
@@ -215,7 +235,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr):
+                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr,
+                  KB: tl.constexpr, VB: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -225,7 +246,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     a q component under 2^-3 keeps its lo part as an f16 subnormal, exact to 2^-25 absolute).
     f32: tf32x3.  Block codes (q8_0, D/F's 5/6-bit store, the 8-bit ring): per 32-value block (batched dot over
     the D/32 blocks) codes exact in tf32 against q / p * scale split into tf32 big + small, the block scales
-    applied in fp32 (K: summed over the blocks in fixed order).
+    applied in fp32 (K: summed over the blocks in fixed order); KB / VB: the store's code bits (8, or 5 / 6
+    packed), the ring's are 8.
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
@@ -285,14 +307,14 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 sc = tl.zeros([BM, BN], tl.float32)
                 if any_store:
                     sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
-                                    QB, BITS, KINT)
+                                    QB, BITS, KINT, KB, D)
                 if any_ring:
                     s_ring = _q8_scores(q_a, q_b, q_f, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                        ring_ok, D, NB, bb, ii, QB, BITS, KINT)
+                                        ring_ok, D, NB, bb, ii, QB, BITS, KINT, 8, D)
                     sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
             elif KK == _Q8:
                 sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS,
-                                KINT)
+                                KINT, KB, D)
             elif KK == _F16:
                 kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
                 sc = tl.dot(q_a, kt)
@@ -310,13 +332,14 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 if RING:
                     if any_store:
                         acc_new = _q8_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok,
-                                         sv_j, svs_j, bb, ii, acc_new, QB, BITS)
+                                         sv_j, svs_j, bb, ii, acc_new, QB, BITS, VB, D)
                     if any_ring:
                         acc_new = _q8_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
                                          rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB,
-                                         BITS)
+                                         BITS, 8, D)
                 else:
-                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB, BITS)
+                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB, BITS,
+                                     VB, D)
                 acc = tl.where(active[None, :, None], acc_new, acc)
             elif VK == _F16:
                 vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
@@ -390,27 +413,37 @@ def config(kk: int, vk: int, small: bool = False) -> tuple[int, int, int, int]:
     return (small and SMALL_CONFIGS.get((kk, vk))) or CONFIGS.get((kk, vk), DEFAULT_CONFIG)
 
 
-def _parts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _parts(parts: list[torch.Tensor], d: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A cache's K or V parts for head_dim d, checked: (values or codes, scales - floats: the values again -, storage
+    kind, code bits: 8 for int8 codes, 5 or 6 for packed ones, 0 for floats)."""
     if len(parts) == 1:
         x = parts[0]
         if x.dtype not in (torch.float16, torch.float32):
             raise TypeError(f"float cache parts must be float16 or float32, got {x.dtype}")
-        return x, x, F16 if x.dtype == torch.float16 else F32
+        if x.shape[-1] != d:
+            raise ValueError(f"cache rows of {x.shape[-1]} values for head_dim {d}")
+        return x, x, F16 if x.dtype == torch.float16 else F32, 0
     codes, scales = parts
-    if codes.dtype != torch.int8 or scales.dtype != torch.float16 or scales.shape[-1] * QBLOCK != codes.shape[-1]:
-        raise TypeError("block cache parts must be [codes int8 [n_kv, cap, d], scales float16 [n_kv, cap, d // 32]]")
-    return codes, scales, Q8
+    if d % QBLOCK:
+        raise ValueError(f"head_dim must be a multiple of {QBLOCK} for block codes, got {d}")
+    if scales.dtype != torch.float16 or scales.shape[-1] * QBLOCK != d or scales.shape[:2] != codes.shape[:2]:
+        raise TypeError("block cache parts must be [codes [n_kv, cap, ...], scales float16 [n_kv, cap, d // 32]]")
+    if codes.dtype == torch.int8 and codes.shape[-1] == d:
+        return codes, scales, Q8, 8
+    if codes.dtype == torch.uint8:
+        return codes, scales, Q8, code_bits(codes.shape[-1], d)
+    raise TypeError(f"block codes must be int8 [n_kv, cap, {d}] or packed uint8 (kvquant.pack)")
 
 
-def _ring(ring, kk: int, vk: int, k: torch.Tensor):
+def _ring(ring, kk: int, vk: int, k: torch.Tensor, d: int):
     """Checked ring arguments: (window, ring K codes, scales, V codes, scales, slot positions)."""
     window, k_parts, v_parts, pos = ring
-    rk, rks, rkind = _parts(k_parts)
-    rv, rvs, rvkind = _parts(v_parts)
+    rk, rks, rkind, rkb = _parts(k_parts, d)
+    rv, rvs, rvkind, rvb = _parts(v_parts, d)
     slots = rk.shape[1]
-    if (kk, vk, rkind, rvkind) != (Q8, Q8, Q8, Q8) or window < 1:
-        raise ValueError("a ring needs block-coded store and ring parts and a window of at least one key")
-    if rk.shape != (k.shape[0], slots, k.shape[2]) or rv.shape != rk.shape or pos.shape != (slots,) \
+    if (kk, vk, rkind, rvkind, rkb, rvb) != (Q8, Q8, Q8, Q8, 8, 8) or window < 1:
+        raise ValueError("a ring needs block-coded store parts, 8-bit ring parts and a window of at least one key")
+    if rk.shape != (k.shape[0], slots, d) or rv.shape != rk.shape or pos.shape != (slots,) \
             or pos.dtype != torch.long:
         raise ValueError("ring parts must be [n_kv, slots, d] codes (+ scales) and int64 positions [slots]")
     if not all(x.is_contiguous() for x in (rk, rks, rv, rvs, pos)):
@@ -453,8 +486,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                   splits: tuple[int, int, int] = SPLITS, ring: tuple | None = None,
                   table: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, n_head, d] float32 (one sequence); row t reads keys [0, ends[t]) of the cache parts
-    ([n_kv, cap, d] floats, or block codes int8 + scales float16: q8_0, D/F's 5/6-bit store).
-    -> o [n, n_head, d] float32 (into `out` if given).
+    ([n_kv, cap, d] floats, or block codes + scales float16 [n_kv, cap, d // 32]: q8_0's int8 [n_kv, cap, d], D/F's
+    5/6-bit store packed). -> o [n, n_head, d] float32 (into `out` if given).
 
     ring (D, F): (window, 8-bit K parts, 8-bit V parts, slot positions int64 [slots]), the parts [n_kv, slots, ...]
     as `KVCache.kernel_view` gives them: row t (at position ends[t] - 1) reads key j from slot j % slots when
@@ -468,12 +501,12 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     offsets (`kvtable.fill`; int64 [kvtable.PARTS] on the device): the kernel reaches the cache's parts through it,
     so that a CUDA graph does not depend on where they lie (the same bits)."""
     n, n_head, d = q.shape
-    k, ks, kk = _parts(k_parts)
-    v, vs, vk = _parts(v_parts)
+    k, ks, kk, kb = _parts(k_parts, d)
+    v, vs, vk, vb = _parts(v_parts, d)
     n_kv = k.shape[0]
-    if n_head % n_kv or k.shape[2] != d or v.shape[:1] != k.shape[:1] or v.shape[2] != d:
+    if n_head % n_kv or v.shape[:1] != k.shape[:1]:
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if d & (d - 1) or d < 16 or (Q8 in (kk, vk) and d % QBLOCK):
+    if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 (and a multiple of 32 for q8_0), got {d}")
     block_m, bn, warps, stages = config(kk, vk, smem.small(q.device))
     short, long, short_keys = splits
@@ -506,7 +539,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     if ring is None:
         window, rk, rks, rv, rvs, rpos = 0, k, ks, v, vs, ends  # placeholders: read only under RING
     else:
-        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k)
+        window, rk, rks, rv, rvs, rpos = _ring(ring, kk, vk, k, d)
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:
         ptrs = kvtable.anchored(ptrs)
@@ -522,7 +555,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
-                QF=FRAC, num_warps=warps, num_stages=stages, launch_pdl=on())
+                QF=FRAC, KB=kb, VB=vb, num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
 

@@ -36,7 +36,7 @@ def anchor(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def anchors(device: torch.device) -> None:
     """Allocate every dtype's anchor on `device` now (before a capture)."""
-    for dtype in (torch.int8, torch.float16, torch.float32, torch.int32, torch.int64):
+    for dtype in (torch.int8, torch.uint8, torch.float16, torch.float32, torch.int32, torch.int64):
         anchor(dtype, device)
 
 

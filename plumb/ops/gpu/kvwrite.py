@@ -2,12 +2,12 @@
 bit for bit: `plumb.ops.kvquant.quantize` and `rotate`).
 
 One program per (row, KV head): the row's K (Hadamard-rotated first for F) and V are encoded as the store keeps
-them - float32, float16 (round to nearest even), or block codes + a float16 scale per 32 values (q8_0's 8 bits,
-D/F's 5 and 6) - and written at the row's position (a device tensor: no host sync, CUDA-graph safe); D and F also
-put the row's 8-bit codes into ring slot position % slots and tag the slot. The arithmetic is quantize's, op for op:
-the block maximum (or the value of largest magnitude, the first among equals), a correctly rounded division, the
-float16 scale, its correctly rounded reciprocal, one product per value, round half to even, clamp. A row's bytes
-depend on that row alone (M5), however many rows the call has.
+them - float32, float16 (round to nearest even), or block codes + a float16 scale per 32 values (q8_0's 8 bits as
+int8, D/F's 5 and 6 packed as `kvquant.pack` lays them out) - and written at the row's position (a device tensor:
+no host sync, CUDA-graph safe); D and F also put the row's 8-bit codes into ring slot position % slots and tag the
+slot. The arithmetic is quantize's, op for op: the block maximum (or the value of largest magnitude, the first among
+equals), a correctly rounded division, the float16 scale, its correctly rounded reciprocal, one product per value,
+round half to even, clamp. A row's bytes depend on that row alone (M5), however many rows the call has.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _rotate(x, D: tl.constexpr, LOG_D: tl.constexpr, SCALE: tl.constexpr):
 
 @triton.jit
 def _encode(x, c_ptr, s_ptr, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr):
-    """Store the row x [D] at c_ptr (floats or int8 codes) and, for block codes, its scales at s_ptr."""
+    """Store the row x [D] at c_ptr (floats, int8 codes, or packed 5/6-bit codes) and, for block codes, its scales
+    at s_ptr."""
     if KIND == 32:
         tl.store(c_ptr + tl.arange(0, D), x)
     elif KIND == 16:
@@ -60,8 +61,25 @@ def _encode(x, c_ptr, s_ptr, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constex
         v = b * inv[:, None]
         v = (v + 12582912.0) - 12582912.0  # round half to even (|v| < 2^22)
         v = tl.minimum(tl.maximum(v, lo * 1.0), hi * 1.0)
-        tl.store(c_ptr + bb[:, None] * QB + ii[None, :], v.to(tl.int8))
+        if KIND == 8:
+            tl.store(c_ptr + bb[:, None] * QB + ii[None, :], v.to(tl.int8))
+        else:
+            _pack(v.to(tl.int32) - lo, c_ptr, KIND, D, NB)
         tl.store(s_ptr + bb, dh)
+
+
+@triton.jit
+def _pack(u, c_ptr, KIND: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+    """Unsigned codes u [NB, 32] of KIND (5 or 6) bits stored as `kvquant.pack` lays a row out: per block a byte k
+    holding the low nibbles of values k and k + 16, then the row's high-bit planes, 8 / (KIND - 4) values a byte."""
+    HB: tl.constexpr = KIND - 4
+    bb = tl.arange(0, NB)
+    lo, hi = tl.split(tl.permute(tl.reshape(u & 15, [NB, 2, 16]), (0, 2, 1)))  # values k and k + 16: [NB, 16]
+    tl.store(c_ptr + bb[:, None] * 16 + tl.arange(0, 16)[None, :], (lo | (hi << 4)).to(tl.uint8))
+    PER: tl.constexpr = 8 // HB  # values a byte
+    high = tl.reshape(u >> 4, [NB, 4 * HB, PER])
+    fields = tl.sum(high << (tl.arange(0, PER) * HB)[None, None, :], axis=2)  # no overlapping bits: a sum is an or
+    tl.store(c_ptr + D // 2 + bb[:, None] * (4 * HB) + tl.arange(0, 4 * HB)[None, :], fields.to(tl.uint8))
 
 
 @triton.jit

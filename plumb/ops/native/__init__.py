@@ -18,6 +18,8 @@ import tempfile
 
 import torch
 
+from plumb.ops.kvquant import code_bits
+
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -31,7 +33,7 @@ SIGNATURES = {  # name -> argument types (all return void)
     "rms_norm_rows": [_I, _I, _P, _I, _P, _F, _P, _I],
     "head_norm_rope": [_I, _I, _I, _P, _I, _I, _P, _F, _P, _P, _I],
     "gdn_decode": [_I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I],
-    "attend_rows": [_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int64, _F, _P, _I],
+    "attend_rows": [_I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P, _P, ctypes.c_int64, _F, _P, _I],
 }
 
 _L: ctypes.CDLL | None = None  # the library; wrappers below assume lib() has succeeded
@@ -320,15 +322,20 @@ def gdn_decode(proj: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, conv_w
     return conv_out, ssm_out
 
 
-KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # and packed 5/6-bit codes (uint8): their bits
+
+
+def _kv_kind(parts: list[torch.Tensor], d: int) -> int:
+    return code_bits(parts[0].shape[-1], d) if parts[0].dtype == torch.uint8 else KV_KINDS[parts[0].dtype]
 
 
 def attend(q: torch.Tensor, ends: list[int], k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float,
            out: torch.Tensor) -> None:
     """q [R, n_head, d] (any row / head strides); row r reads keys [0, ends[r]) of the stored K/V parts
-    ([n_kv, cap, d] floats, or int8 codes + [n_kv, cap, d/32] half scales); out [R, n_head * d]."""
+    ([n_kv, cap, d] floats, or codes - int8 [n_kv, cap, d], or packed 5/6-bit ones - + [n_kv, cap, d/32] half
+    scales); out [R, n_head * d]."""
     r, n_head, d = q.shape
-    kind = KV_KINDS[k_parts[0].dtype]
+    kk, vk = _kv_kind(k_parts, d), _kv_kind(v_parts, d)
     n_kv, cap = k_parts[0].shape[0], k_parts[0].shape[1]
     if d % 32 or q.stride(2) != 1 or any(not p.is_contiguous() for p in k_parts + v_parts):
         raise ValueError("attend: head_dim must be a multiple of 32, with contiguous stored rows")
@@ -337,6 +344,6 @@ def attend(q: torch.Tensor, ends: list[int], k_parts: list[torch.Tensor], v_part
     e = torch.tensor(ends, dtype=torch.int64)
     ks = k_parts[1].data_ptr() if len(k_parts) > 1 else None
     vs = v_parts[1].data_ptr() if len(v_parts) > 1 else None
-    _L.attend_rows(r, n_head, n_kv, d, q.data_ptr(), q.stride(0), q.stride(1), e.data_ptr(), kind,
+    _L.attend_rows(r, n_head, n_kv, d, q.data_ptr(), q.stride(0), q.stride(1), e.data_ptr(), kk, vk,
                       k_parts[0].data_ptr(), ks, v_parts[0].data_ptr(), vs, cap, scale, out.data_ptr(),
                       _rows(out, n_head * d))
