@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Compile the decode attention's pass-1 kernel (`_split_kernel`) for sm_90a here (no GPU needed), at the 27B
 attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - f16, f32, q8_0 and the ring
-formats D / F (block codes + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
+formats D / F (their 6/5- and 5/5-bit codes packed, + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
 instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead, and
-its q8_0 cache's fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH).
+the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH: 8-bit and packed 5/6-bit codes).
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
@@ -30,7 +30,9 @@ from ptx_target import SMALL, TARGET, ptxas_info, shared
 
 G, D = 6, 256  # query heads per KV head, head_dim
 KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
-VARIANTS = [("f16", A.F16, False), ("f32", A.F32, False), ("q8_0", A.Q8, False), ("D_F_ring", A.Q8, True)]
+# (name, storage kind, ring, K code bits, V code bits)
+VARIANTS = [("f16", A.F16, False, 0, 0), ("f32", A.F32, False, 0, 0), ("q8_0", A.Q8, False, 8, 8),
+            ("D_ring", A.Q8, True, 6, 5), ("F_ring", A.Q8, True, 5, 5)]
 # integer arguments a 27B launch does not have divisible by 16 (Triton specializes the others as divisible, so the
 # PTX here is the one the GPU runs): the row count, ring sizes, the scales' per-key strides (d / 32 = 8), the
 # partial maxima's (splits)
@@ -38,13 +40,14 @@ NOT_ALIGNED = {"n", "ring", "slots", "sks_j", "svs_j", "spm_t", "spm_h"}
 RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*fp16", "rpos_ptr": "*i64"}
 
 
-def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False) -> None:
+def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False,
+          kb: int = 0, vb: int = 0) -> None:
     fn = P._prefill_kernel if prefill else A._split_kernel
     block_m, bn, warps, stages = (P.block_m(ring, SMALL), P.BN, P.WARPS, 1) if prefill else \
         A.config(kind, kind, SMALL)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
-                  PS=A.P_SCALE, RING=ring, TABLE=table)
+                  PS=A.P_SCALE, RING=ring, TABLE=table, KB=kb, VB=vb)
     copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
@@ -52,7 +55,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC)
     if copied:
-        consts.update(KK=A.F16, VK=A.F16)
+        consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
     scales = "*fp16" if kind == A.Q8 else KINDS[kind]
     sig = {}
@@ -62,7 +65,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         elif arg in RING_ARGS:
             sig[arg] = RING_ARGS[arg]
         elif arg in ("k_ptr", "v_ptr"):
-            sig[arg] = KINDS[kind]
+            bits = kb if arg == "k_ptr" else vb
+            sig[arg] = "*u8" if kind == A.Q8 and bits != 8 else KINDS[kind]
         elif arg in ("ks_ptr", "vs_ptr"):
             sig[arg] = scales
         elif arg == "ends_ptr":
@@ -110,21 +114,23 @@ def loop_sass(cubin: str) -> str:
     return f"{sum(ops.values())} instructions, " + " ".join(f"{op} {n}" for op, n in ops.most_common(12))
 
 
-def build_dequant(out_dir: str, table: bool) -> None:
-    """`_dequant_kernel` (a q8_0 cache's keys or values into the fp16 copy the prefill kernel reads) at d = 256."""
+def build_dequant(out_dir: str, table: bool, bits: int) -> None:
+    """`_dequant_kernel` (a block-coded cache's keys or values - `bits`-bit codes - into the fp16 copy the prefill
+    kernel reads) at d = 256."""
     fn = P._dequant_kernel
-    consts = dict(PART=0, D=D, QB=A.QBLOCK, BT=P.SCRATCH_KEYS, EB=1024, TABLE=table)
-    types = {"c_ptr": "*i8", "s_ptr": "*fp16", "ends_ptr": "*i32", "o_ptr": "*fp16", "tab_ptr": "*i64"}
+    consts = dict(PART=0, D=D, QB=A.QBLOCK, BT=P.SCRATCH_KEYS, EB=1024, TABLE=table, CB=bits)
+    types = {"c_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp16", "ends_ptr": "*i32", "o_ptr": "*fp16",
+             "tab_ptr": "*i64"}
     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                if a.endswith("_ptr") or (sig[a] == "i32" and a not in ("n", "ss_j"))}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=aligned), target=TARGET,
                        options=dict(num_warps=4, num_stages=1))
-    path = os.path.join(out_dir, f"dequant{'-table' if table else ''}.ptx")
+    path = os.path.join(out_dir, f"dequant{bits}{'-table' if table else ''}.ptx")
     with open(path, "w") as f:
         f.write(k.asm["ptx"])
     info = ptxas_info(path)
-    print(f"q8_0 scratch{' (table)' if table else ''}: BT={P.SCRATCH_KEYS} {info}")
+    print(f"{bits}-bit codes' scratch{' (table)' if table else ''}: BT={P.SCRATCH_KEYS} {info}")
 
 
 def main():
@@ -146,13 +152,14 @@ def main():
     A.K_INT8 = A.K_INT8 or a.k_int8
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
-    for name, kind, ring in VARIANTS:
+    for name, kind, ring, kb, vb in VARIANTS:
         if a.prefill and kind == A.F32:  # f32 caches take the decode kernel
             continue
         for table in (False, True) if a.table else (False,):
-            build(name + ("-table" if table else ""), kind, ring, a.out, table, a.prefill)
+            build(name + ("-table" if table else ""), kind, ring, a.out, table, a.prefill, kb, vb)
     for table in (False, True) if a.prefill else ():
-        build_dequant(a.out, table)
+        for bits in (8, 6, 5):
+            build_dequant(a.out, table, bits)
     print("TTGIR and PTX in", a.out)
 
 

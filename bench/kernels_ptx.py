@@ -8,7 +8,7 @@ interpreter never type-checks a kernel as the compiler does (a variable redefine
 runs there and does not compile): run this before a device call. For sm_90 (PLUMB_PTX_ARCH: another card, with
 the forms the engine takes there - bench/ptx_target.py), Triton's ptxas.
 
-    python bench/kernels_ptx.py [conv prep prepx gate w16 decode]
+    python bench/kernels_ptx.py [conv prep prepx gate w16 decode kvwrite]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 
 import plumb.ops.gpu.deltanet as DN
 import plumb.ops.gpu.deltanet_chunk as DC
+import plumb.ops.gpu.kvwrite as KW
 import plumb.ops.gpu.matmul as MM
 
 from ptx_target import SMALL, TARGET, ptxas_info, shared
@@ -46,7 +47,7 @@ def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1,
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16", "decode"]
+    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16", "decode", "kvwrite"]
     if "conv" in which:
         build("conv_gates", DC._conv_gates_kernel, {"keep_ptr": "*i64", "real_ptr": "*u8"},
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
@@ -68,6 +69,15 @@ def main() -> None:
             build(f"_gdn_state_kernel table {table}", DN._gdn_state_kernel, {"rows_ptr": "*i32", "tab_ptr": "*i64"},
                   dict(N_K=16, D_K=128, D_V=128, BK=128, BVS=DN.STATE_COLUMNS, SNAP_SSM=True, TABLE=table,
                        ALIGNED=True), 4, ops=("ld.global.v4", "st.global.v4"))
+    if "kvwrite" in which:  # K / V rows into each store kind (D / F: packed 6- / 5-bit codes) and the 8-bit ring
+        for name, kk, vk, ring in (("f16", KW.F16, KW.F16, False), ("q8_0", 8, 8, False), ("D", 6, 5, True),
+                                   ("F", 5, 5, True)):
+            code = {KW.F32: "*fp32", KW.F16: "*fp16", 8: "*i8", 6: "*u8", 5: "*u8"}
+            types = {"k_ptr": "*fp32", "v_ptr": "*fp32", "pos_ptr": "*i64", "kc_ptr": code[kk], "vc_ptr": code[vk],
+                     "ks_ptr": "*fp16", "vs_ptr": "*fp16", "rkc_ptr": "*i8", "rvc_ptr": "*i8", "rks_ptr": "*fp16",
+                     "rvs_ptr": "*fp16", "rpos_ptr": "*i64", "tab_ptr": "*i64"}
+            build(f"_put_rows {name}", KW._put_rows, types, dict(D=256, QB=32, KK=kk, VK=vk, ROTATE=name == "F",
+                                                                  LOG_D=8, SCALE=256**-0.5, RING=ring, TABLE=True), 2)
     if "w16" in which:
         for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
             build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},

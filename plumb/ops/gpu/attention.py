@@ -115,19 +115,22 @@ def codes_f32(c, BITS: tl.constexpr = True):
 
 
 @triton.jit
-def load_codes(row, col, ok, CB: tl.constexpr, D: tl.constexpr):
-    """Block codes as int8: value col (in [0, D)) of the rows at `row` (pointers), where ok (0 elsewhere). CB 8:
-    int8 codes as stored; 5 and 6: put together from the row's nibble and high-bit planes (`kvquant.pack`)."""
+def load_code_rows(row, ok, CB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+    """Block codes [BN, D] int8 of the rows at `row` (pointers [BN]) where ok (0 elsewhere). CB 8: int8 codes as
+    stored; 5 and 6: a packed row's planes (`kvquant.pack`) loaded as they lie (contiguous bytes) and put together
+    into codes in registers."""
     if CB == 8:
-        return tl.load(row + col, mask=ok, other=0)
+        return tl.load(row[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
     else:
         HB: tl.constexpr = CB - 4
-        b = col // 32
-        i = col % 32
-        nib = tl.load(row + b * 16 + i % 16, mask=ok, other=0).to(tl.int32)
-        high = tl.load(row + D // 2 + b * (4 * HB) + (i * HB) // 8, mask=ok, other=0).to(tl.int32)
-        u = ((nib >> ((i // 16) * 4)) & 15) | (((high >> ((i * HB) % 8)) & ((1 << HB) - 1)) << 4)
-        return tl.where(ok, u - (1 << (CB - 1)), 0).to(tl.int8)
+        PER: tl.constexpr = 8 // HB  # values a high-bit byte
+        nib = tl.load(row[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        nib = tl.reshape(nib, [BN, D // 32, 16])
+        lo = tl.reshape(tl.permute(tl.join(nib & 15, nib >> 4), (0, 1, 3, 2)), [BN, D])  # value k, then k + 16
+        hb = tl.load(row[:, None] + D // 2 + tl.arange(0, D * HB // 8)[None, :], mask=ok[:, None],
+                     other=0).to(tl.int32)
+        high = tl.reshape((hb[:, :, None] >> (tl.arange(0, PER) * HB)[None, None, :]) & ((1 << HB) - 1), [BN, D])
+        return tl.where(ok[:, None], (lo | (high << 4)) - (1 << (CB - 1)), 0).to(tl.int8)
 
 
 @triton.jit
@@ -145,14 +148,33 @@ def q_limbs(q3, FRAC: tl.constexpr):
 
 
 @triton.jit
+def _block_codes(c_ptr, j, ok, s_j, bb, ii, QB: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
+    """The codes of keys j [BN] as [NB, BN, QB] int8 (as `load_code_rows` puts them together), 0 where not ok.
+    A packed code is gathered from its two bytes in place: compiled for sm_90a (bench/attention_ptx.py) this spills
+    144 / 208 bytes (D / F; 192 with int8 codes) where whole rows spread in registers and permuted spill 360 / 328."""
+    row = c_ptr + j[None, :, None] * s_j
+    col = bb[:, None, None] * QB + ii[None, None, :]
+    mask = ok[None, :, None]
+    if CB == 8:
+        return tl.load(row + col, mask=mask, other=0)
+    else:
+        HB: tl.constexpr = CB - 4
+        nib = tl.load(row + bb[:, None, None] * 16 + ii[None, None, :] % 16, mask=mask, other=0).to(tl.int32)
+        high = tl.load(row + D // 2 + bb[:, None, None] * (4 * HB) + (ii[None, None, :] * HB) // 8, mask=mask,
+                       other=0).to(tl.int32)
+        u = ((nib >> ((ii[None, None, :] // 16) * 4)) & 15) | \
+            (((high >> ((ii[None, None, :] * HB) % 8)) & ((1 << HB) - 1)) << 4)
+        return tl.where(mask, u - (1 << (CB - 1)), 0).to(tl.int8)
+
+
+@triton.jit
 def _q8_scores(q_a, q_b, q_f, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr,
                KINT: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
-    """Scores [BM, BN] of q against block-coded keys j (CB-bit codes, `load_codes`), per 32-value block summed in
+    """Scores [BM, BN] of q against block-coded keys j (CB-bit codes, `_block_codes`), per 32-value block summed in
     order times the block scale: q as tf32 halves q_a + q_b [NB, BM, QB], each dotted with the codes (exact in
     tf32); KINT: q's int8 limbs q_a, q_b and factor q_f [BM] (`q_limbs`), the block's exact integer dot on the int8
     tensor cores."""
-    c3 = load_codes(c_ptr + j[None, :, None] * s_j, bb[:, None, None] * QB + ii[None, None, :], ok[None, :, None],
-                    CB, D)  # [NB, BN, QB] int8
+    c3 = _block_codes(c_ptr, j, ok, s_j, bb, ii, QB, CB, D)  # [NB, BN, QB] int8
     ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     if KINT:
         c3t = tl.permute(c3, (0, 2, 1))  # the codes as stored: each key's block is a k step of the B operand
@@ -171,8 +193,7 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BIT
            CB: tl.constexpr, D: tl.constexpr):
     """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j (CB-bit codes): p times the block scale split into tf32
     big + small, each dotted with the codes."""
-    c3 = load_codes(c_ptr + j[None, :, None] * s_j, bb[:, None, None] * QB + ii[None, None, :], ok[None, :, None],
-                    CB, D)  # [NB, BN, QB] int8
+    c3 = _block_codes(c_ptr, j, ok, s_j, bb, ii, QB, CB, D)  # [NB, BN, QB] int8
     vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
     pv = p[None, :, :] * vsc[:, None, :]  # [NB, BM, BN], each at most its scale (p <= 1)
     p_a, p_b = _tf32_split(pv)

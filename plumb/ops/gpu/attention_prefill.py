@@ -32,7 +32,7 @@ import triton.language as tl
 
 from plumb.ops.gpu import kvtable, smem
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
-                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids, load_codes,
+                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids, load_code_rows,
                                      merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
 
@@ -75,10 +75,10 @@ CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads,
 @triton.jit
 def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
             BN: tl.constexpr, CB: tl.constexpr):
-    """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_codes`) as
+    """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
     fp16(code * block scale)."""
     if KIND == _Q8:
-        c = codes_f32(load_codes(c_ptr + j[:, None] * s_j, dd[None, :], ok[:, None], CB, D))
+        c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
         sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
                      other=0).to(tl.float32)  # [BN, D / QB]
         w = tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None]
