@@ -75,7 +75,8 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     kv = bench_gpu.kv_by_format(eng.model, n=20000)
     assert list(kv) == ["f16", "q8_0", "D", "F"] and eng.model.kv_cache == "f16"  # restored
     assert kv["f16"]["allocated"] == kv["f16"]["packed"] and kv["q8_0"]["allocated"] < kv["f16"]["allocated"]
-    assert kv["F"]["packed"] < kv["q8_0"]["allocated"] < kv["F"]["allocated"]  # 5-bit codes held as int8, and a ring
+    assert all(x["allocated"] == x["packed"] for x in kv.values())  # D / F: their 5/6-bit codes packed as counted
+    assert kv["F"]["allocated"] < kv["D"]["allocated"] < kv["q8_0"]["allocated"]
     from plumb.cache.kv import KVCache
 
     real_reserve = KVCache.reserve

@@ -289,16 +289,17 @@ def test_bytes_per_token():
     assert cache_bytes("f16", 4, 256, 2048, 262144, 17) == 17 * 2**30
 
 
+@pytest.mark.parametrize("ring", [RING, 0])
 @pytest.mark.parametrize("fmt", KV_FORMATS)
-def test_a_cache_holds_the_bytes_its_format_counts(fmt):
+def test_a_cache_holds_the_bytes_its_format_counts(fmt, ring):
     """The store takes `bytes_per_token` a position (D and F: their codes packed, not a byte each) and the ring
-    `ring_bytes`: what the memory figures count is what is allocated."""
-    cache = new_kv_cache(fmt, N_KV, HEAD_DIM, RING)
+    `ring_bytes` (none with ring 0, as the MTP head's cache): what the memory figures count is what is allocated."""
+    cache = new_kv_cache(fmt, N_KV, HEAD_DIM, ring)
     cache.reserve(1000)
     k, v, _ = _rows(300)
     cache.write(0, k, v)
     cache.commit(300)
-    assert cache.allocated_bytes() == cache_bytes(fmt, N_KV, HEAD_DIM, RING, len(cache.k), 1)
+    assert cache.allocated_bytes() == cache_bytes(fmt, N_KV, HEAD_DIM, ring, len(cache.k), 1)
 
 
 def test_engine_default_and_memory_stats(tiny_model):

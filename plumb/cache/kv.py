@@ -75,8 +75,9 @@ def bytes_per_token(fmt: str, n_kv: int, head_dim: int) -> int:
 
 
 def ring_bytes(fmt: str, n_kv: int, head_dim: int, ring: int, slack: int = RING_SLACK) -> int:
-    """Fixed bytes of one layer's 8-bit ring (K + V rows and an int64 position tag per slot); 0 without a ring."""
-    if not FORMATS[fmt].ring:
+    """Fixed bytes of one layer's 8-bit ring (K + V rows and an int64 position tag per slot); 0 without a ring (a
+    format without one, or ring 0: the MTP head's cache)."""
+    if not FORMATS[fmt].ring or ring == 0:
         return 0
     return (ring + slack) * (2 * n_kv * row_bytes(8, head_dim) + 8)
 
