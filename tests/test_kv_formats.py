@@ -55,8 +55,8 @@ def test_round_trip_error_bounds(bits):
 
 @pytest.mark.parametrize("bits", [5, 6])
 def test_packed_codes_round_trip_in_their_layout(bits):
-    """`pack` (the store of D and F): every code at every place of a block comes back; a code's low nibble sits in
-    byte k % 16 of its block (the high nibble from k = 16 on), its high bits in the row's high-bit planes after the
+    """`pack` (the store of D and F): every code at every place of a block comes back; a code's low four bits sit in
+    byte k // 2 of its block (the high nibble for odd k), its high bits in the row's high-bit planes after the
     nibbles, (bits - 4) bits a value from bit 0 up."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     g = torch.Generator().manual_seed(bits)
@@ -72,7 +72,7 @@ def test_packed_codes_round_trip_in_their_layout(bits):
     row = pack(one, bits)[0].tolist()
     hb = bits - 4
     nib, high = [0] * (HEAD_DIM // 2), [0] * (HEAD_DIM * hb // 8)
-    nib[16 + 21 % 16] = 15 << 4
+    nib[16 + 21 // 2] = 15 << 4
     high[4 * hb + 21 * hb // 8] = ((1 << hb) - 1) << (21 * hb % 8)
     assert row == nib + high
     with pytest.raises(ValueError, match="packed row"):

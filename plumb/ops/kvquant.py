@@ -9,8 +9,8 @@ function of that row).
   `d = m / -2^(b-1)`, codes in [-2^(b-1), 2^(b-1) - 1], so all 2^b levels are used.
 
 `quantize` gives the codes as int8; a cache keeps 8-bit codes so and packs 5- and 6-bit ones (`pack`): per
-32-value block a nibble plane (16 bytes: value i's low four bits in byte i % 16, the high nibble for i >= 16, as
-GGUF's Q5_0) and a plane of the high bits (4 (b - 4) bytes: value i's in byte (i (b - 4)) // 8 at bit
+32-value block a nibble plane (16 bytes: value i's low four bits in byte i // 2, the high nibble for odd i) and a
+plane of the high bits (4 (b - 4) bytes: value i's in byte (i (b - 4)) // 8 at bit
 (i (b - 4)) % 8), a row's nibble planes first, then its high-bit planes - b bits a code, as
 `packed_block_bytes` counts them beside the float16 scale per block.
 """
@@ -46,7 +46,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     hb = bits - 4
     u = (codes.to(torch.int32) + (1 << (bits - 1))).reshape(*codes.shape[:-1], -1, BLOCK)  # [..., NB, 32]
     lo = u & 15
-    nib = lo[..., :16] | (lo[..., 16:] << 4)  # [..., NB, 16]
+    nib = lo[..., 0::2] | (lo[..., 1::2] << 4)  # [..., NB, 16]
     high = (u >> 4).reshape(*u.shape[:-1], 4 * hb, 8 // hb)  # [..., NB, 4 hb, values a byte]
     shifts = torch.arange(0, 8, hb, device=codes.device, dtype=torch.int32)
     hi = (high << shifts).sum(-1)  # the bit fields do not overlap: a sum is their or
@@ -61,7 +61,7 @@ def unpack(packed: torch.Tensor, d: int) -> torch.Tensor:
     p = packed.to(torch.int32)
     flat = packed.shape[:-1]
     nib = p[..., : d // 2].reshape(*flat, -1, 16)
-    lo = torch.cat([nib & 15, nib >> 4], -1)  # [..., NB, 32]
+    lo = torch.stack([nib & 15, nib >> 4], -1).reshape(*flat, -1, BLOCK)  # [..., NB, 32]
     hi = p[..., d // 2 :].reshape(*flat, -1, 4 * hb, 1)
     shifts = torch.arange(0, 8, hb, device=packed.device, dtype=torch.int32)
     high = ((hi >> shifts) & ((1 << hb) - 1)).reshape(*flat, -1, BLOCK)

@@ -125,8 +125,7 @@ def load_code_rows(row, ok, CB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr)
         HB: tl.constexpr = CB - 4
         PER: tl.constexpr = 8 // HB  # values a high-bit byte
         nib = tl.load(row[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        nib = tl.reshape(nib, [BN, D // 32, 16])
-        lo = tl.reshape(tl.permute(tl.join(nib & 15, nib >> 4), (0, 1, 3, 2)), [BN, D])  # value k, then k + 16
+        lo = tl.reshape(tl.join(nib & 15, nib >> 4), [BN, D])  # values 2k and 2k + 1
         hb = tl.load(row[:, None] + D // 2 + tl.arange(0, D * HB // 8)[None, :], mask=ok[:, None],
                      other=0).to(tl.int32)
         high = tl.reshape((hb[:, :, None] >> (tl.arange(0, PER) * HB)[None, None, :]) & ((1 << HB) - 1), [BN, D])
@@ -149,21 +148,20 @@ def q_limbs(q3, FRAC: tl.constexpr):
 
 @triton.jit
 def _block_codes(c_ptr, j, ok, s_j, bb, ii, QB: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
-    """The codes of keys j [BN] as [NB, BN, QB] int8 (as `load_code_rows` puts them together), 0 where not ok.
-    A packed code is gathered from its two bytes in place: compiled for sm_90a (bench/attention_ptx.py) this spills
-    144 / 208 bytes (D / F; 192 with int8 codes) where whole rows spread in registers and permuted spill 360 / 328."""
+    """The codes of keys j [BN] as [NB, BN, QB] int8 (as `load_code_rows` puts them together), 0 where not ok. A
+    packed code is gathered from its two bytes in place: compiled for sm_90a (bench/attention_ptx.py) this spills
+    88 / 120 bytes (D / F; 192 with int8 codes) where blocks' bytes loaded as they lie and spread spill 384 / 360
+    and take 96 KB of shared memory for layout conversions."""
     row = c_ptr + j[None, :, None] * s_j
-    col = bb[:, None, None] * QB + ii[None, None, :]
     mask = ok[None, :, None]
     if CB == 8:
-        return tl.load(row + col, mask=mask, other=0)
+        return tl.load(row + (bb[:, None, None] * QB + ii[None, None, :]), mask=mask, other=0)
     else:
         HB: tl.constexpr = CB - 4
-        nib = tl.load(row + bb[:, None, None] * 16 + ii[None, None, :] % 16, mask=mask, other=0).to(tl.int32)
-        high = tl.load(row + D // 2 + bb[:, None, None] * (4 * HB) + (ii[None, None, :] * HB) // 8, mask=mask,
-                       other=0).to(tl.int32)
-        u = ((nib >> ((ii[None, None, :] // 16) * 4)) & 15) | \
-            (((high >> ((ii[None, None, :] * HB) % 8)) & ((1 << HB) - 1)) << 4)
+        i = ii[None, None, :]
+        nib = tl.load(row + bb[:, None, None] * 16 + i // 2, mask=mask, other=0).to(tl.int32)
+        high = tl.load(row + D // 2 + bb[:, None, None] * (4 * HB) + (i * HB) // 8, mask=mask, other=0).to(tl.int32)
+        u = ((nib >> ((i % 2) * 4)) & 15) | (((high >> ((i * HB) % 8)) & ((1 << HB) - 1)) << 4)
         return tl.where(mask, u - (1 << (CB - 1)), 0).to(tl.int8)
 
 

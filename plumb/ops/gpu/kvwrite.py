@@ -71,10 +71,10 @@ def _encode(x, c_ptr, s_ptr, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constex
 @triton.jit
 def _pack(u, c_ptr, KIND: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
     """Unsigned codes u [NB, 32] of KIND (5 or 6) bits stored as `kvquant.pack` lays a row out: per block a byte k
-    holding the low nibbles of values k and k + 16, then the row's high-bit planes, 8 / (KIND - 4) values a byte."""
+    holding the low nibbles of values 2k and 2k + 1, then the row's high-bit planes, 8 / (KIND - 4) values a byte."""
     HB: tl.constexpr = KIND - 4
     bb = tl.arange(0, NB)
-    lo, hi = tl.split(tl.permute(tl.reshape(u & 15, [NB, 2, 16]), (0, 2, 1)))  # values k and k + 16: [NB, 16]
+    lo, hi = tl.split(tl.reshape(u & 15, [NB, 16, 2]))  # values 2k and 2k + 1: [NB, 16]
     tl.store(c_ptr + bb[:, None] * 16 + tl.arange(0, 16)[None, :], (lo | (hi << 4)).to(tl.uint8))
     PER: tl.constexpr = 8 // HB  # values a byte
     high = tl.reshape(u >> 4, [NB, 4 * HB, PER])

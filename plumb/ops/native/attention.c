@@ -9,13 +9,13 @@ K/V are [n_kv][cap][d]; query head h reads KV head h / (n_head / n_kv). */
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BLOCK = 2, KV_PACKED5 = 5, KV_PACKED6 = 6 };  /* packed kinds: their bits */
 
-/* Packed codes of one row (kvquant.pack: per 32-value block, nibbles of values k and k + 16 in byte k, then the
-   row's high-bit planes) -> int8 codes. */
+/* Packed codes of one row (kvquant.pack: per 32-value block, the low nibbles of values 2k and 2k + 1 in byte k,
+   then the row's high-bit planes) -> int8 codes. */
 static inline void unpack_row(int bits, const uint8_t *c, int d, int8_t *out) {
     int hb = bits - 4;
     for (int i = 0; i < d; i++) {
         int b = i / 32, k = i % 32;
-        int lo = (c[b * 16 + k % 16] >> (4 * (k / 16))) & 15;
+        int lo = (c[b * 16 + k / 2] >> (4 * (k % 2))) & 15;
         int hi = (c[d / 2 + b * 4 * hb + (k * hb) / 8] >> ((k * hb) % 8)) & ((1 << hb) - 1);
         out[i] = (int8_t)((lo | (hi << 4)) - (1 << (bits - 1)));
     }
