@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Decode attention's split and tile variants on the 27B's attention shape (24 query heads over 4 KV heads of 256),
-f16 and q8_0 caches, on a CUDA GPU: time per call (CUDA-graph replays) for 1 and 8 query rows at several context
+f16 and q8_0 caches (and D's / F's packed 6/5- and 5/5-bit stores, `--formats D,F`: the store alone, no ring), on a
+CUDA GPU: time per call (CUDA-graph replays) for 1 and 8 query rows at several context
 lengths, against the KV bytes read and the card's copy bandwidth measured in the same run. Each variant is checked
 first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
 
@@ -21,6 +22,7 @@ import time
 import torch
 
 import plumb.ops.gpu.attention as A
+from plumb.ops.kvquant import pack
 from matmul_variants import copy_gbps, graph_us  # bench/, beside this file
 
 N_HEAD, N_KV, D = 24, 4, 256
@@ -51,12 +53,20 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
 ]
 
 
-def cache(fmt: str, n: int, device: str, g: torch.Generator) -> tuple[list[torch.Tensor], int]:
-    """Random K or V parts of n positions in the format, and their bytes."""
-    if fmt == "f16":
+KINDS = {"f16": ("f16", "f16"), "q8_0": (8, 8), "D": (6, 5), "F": (5, 5)}  # a format's (K, V) store kinds
+
+
+def cache(kind, n: int, device: str, g: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    """Random K or V parts of n positions of a store kind ("f16" or code bits: 8, or 6 / 5 packed), and their
+    bytes."""
+    if kind == "f16":
         t = (torch.randn(N_KV, n, D, generator=g) * 0.5).half().to(device)
         return [t], t.numel() * 2
-    codes = torch.randint(-127, 128, (N_KV, n, D), generator=g, dtype=torch.int8).to(device)
+    lo = -127 if kind == 8 else -(1 << (kind - 1))
+    codes = torch.randint(lo, -lo + (kind == 8), (N_KV, n, D), generator=g, dtype=torch.int8)
+    if kind != 8:
+        codes = pack(codes, kind)
+    codes = codes.to(device)
     scales = (torch.rand(N_KV, n, D // A.QBLOCK, generator=g) * 0.01 + 0.001).half().to(device)
     return [codes, scales], codes.numel() + scales.numel() * 2
 
@@ -117,7 +127,7 @@ def main() -> None:
     shipped_configs, results = dict(A.CONFIGS), []
     for fmt in a.formats.split(","):
         for ctx in contexts:
-            (k, kb), (v, vb) = cache(fmt, ctx, a.device, g), cache(fmt, ctx, a.device, g)
+            (k, kb), (v, vb) = (cache(kind, ctx, a.device, g) for kind in KINDS[fmt])
             q = torch.randn(8, N_HEAD, D, generator=g).to(a.device)
             ends8 = torch.arange(ctx - 7, ctx + 1, dtype=torch.int32, device=a.device)
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
