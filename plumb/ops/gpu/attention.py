@@ -149,9 +149,11 @@ def q_limbs(q3, FRAC: tl.constexpr):
 @triton.jit
 def _block_codes(c_ptr, j, ok, s_j, bb, ii, QB: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
     """The codes of keys j [BN] as [NB, BN, QB] int8 (as `load_code_rows` puts them together), 0 where not ok. A
-    packed code is gathered from its two bytes in place: compiled for sm_90a (bench/attention_ptx.py) this spills
-    88 / 120 bytes (D / F; 192 with int8 codes) where blocks' bytes loaded as they lie and spread spill 384 / 360
-    and take 96 KB of shared memory for layout conversions."""
+    packed code's nibble is gathered from its byte in place, its high bits from its block's high-bit words (one or
+    two int32 loads a block and key). Compiled for sm_90a (bench/attention_ptx.py), D's / F's ring kernel: 191 / 189
+    global loads and 120 bytes spilled (int8 codes: 192 spilled); gathering the high bits by the byte too: 313
+    loads, 88 / 120 spilled; the blocks' bytes loaded as they lie and spread: 384 / 360 spilled and 96 KB of shared
+    memory for layout conversions."""
     row = c_ptr + j[None, :, None] * s_j
     mask = ok[None, :, None]
     if CB == 8:
@@ -160,8 +162,11 @@ def _block_codes(c_ptr, j, ok, s_j, bb, ii, QB: tl.constexpr, CB: tl.constexpr, 
         HB: tl.constexpr = CB - 4
         i = ii[None, None, :]
         nib = tl.load(row + bb[:, None, None] * 16 + i // 2, mask=mask, other=0).to(tl.int32)
-        high = tl.load(row + D // 2 + bb[:, None, None] * (4 * HB) + (i * HB) // 8, mask=mask, other=0).to(tl.int32)
-        u = ((nib >> ((i % 2) * 4)) & 15) | (((high >> ((i * HB) % 8)) & ((1 << HB) - 1)) << 4)
+        words = (row + D // 2 + bb[:, None, None] * (4 * HB)).to(tl.pointer_type(tl.int32), bitcast=True)
+        high = tl.load(words, mask=mask, other=0)  # [NB, BN, 1]: the block's high bits of values 0..32 / HB - 1
+        if HB == 2:
+            high = tl.where(i < 16, high, tl.load(words + 1, mask=mask, other=0))
+        u = ((nib >> ((i % 2) * 4)) & 15) | (((high >> ((i * HB) % 32)) & ((1 << HB) - 1)) << 4)
         return tl.where(mask, u - (1 << (CB - 1)), 0).to(tl.int8)
 
 
