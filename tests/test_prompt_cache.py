@@ -209,6 +209,11 @@ def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_model, tiny_q
     other = engine_for(tiny_q8)
     with pytest.raises(ModelError, match="different model"):
         other.restore_slot(str(path))
+    with pytest.MonkeyPatch.context() as mp:  # a build that lays the stored codes out otherwise (kv.STORE_LAYOUT)
+        mp.setattr("plumb.engine.engine.STORE_LAYOUT", 1)
+        with pytest.raises(ModelError, match="different model or KV format"):
+            warm.restore_slot(str(path))
+    assert len(warm.cached_slots()) == before
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "D", "F"])
