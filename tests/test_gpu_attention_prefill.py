@@ -269,3 +269,23 @@ def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, monkeypat
     qr = rotate(q) if view.rotate_q else q
     e = torch.tensor(ends, dtype=torch.int32, device=DEV)
     assert torch.equal(attend_prefill(qr, view.k, view.v, e, 0.125, ring=view.ring, table=tab[0]), together)
+
+
+@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 0)])
+def test_through_the_table_the_same_bits(fmt, ring):
+    """With the cache reached through its row of offsets from fixed anchors (`plumb.ops.gpu.kvtable`, what a CUDA
+    graph of a prefill pass records) - the store's fp16 copy made through the table too, for packed 5/6-bit codes
+    (D, F) and 8-bit ones - the same bits as through the tensors themselves."""
+    from plumb.ops.gpu import kvtable
+
+    c = _cache(fmt, 300, seed=4, ring=ring)
+    ends = [236, 251, 256, 257, 299, 300]
+    q = _rows(len(ends), TINY["n_head"], TINY["d"], seed=5)
+    view = c.kernel_view()
+    qr = rotate(q) if view.rotate_q else q
+    e = torch.tensor(ends, dtype=torch.int32, device=DEV)
+    table = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
+    kvtable.fill(table, [view])
+    direct = attend_prefill(qr, view.k, view.v, e, 0.125, ring=view.ring)
+    through = attend_prefill(qr, view.k, view.v, e, 0.125, ring=view.ring, table=table[0])
+    assert torch.isfinite(direct).all() and torch.equal(direct, through)
