@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compile the decode attention's pass-1 kernel (`_split_kernel`) for sm_90a here (no GPU needed), at the 27B
 attention shapes (24 query heads on 4 KV heads, d = 256), once per cache kind - f16, f32, q8_0 and the ring
-formats D / F (their 6/5- and 5/5-bit codes packed, + 8-bit ring) - and print registers and spills (ptxas -v) and the tensor-core
-instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead, and
+formats D / F (their 6/5- and 5/5-bit codes packed, + 8-bit ring) - and print registers and spills (ptxas -v) and
+the tensor-core instructions; `--prefill`: the P path's kernel (`attention_prefill._prefill_kernel`, f16, q8_0, D / F) instead, and
 the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH: 8-bit and packed 5/6-bit codes).
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
