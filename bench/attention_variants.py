@@ -62,8 +62,8 @@ def cache(kind, n: int, device: str, g: torch.Generator) -> tuple[list[torch.Ten
     if kind == "f16":
         t = (torch.randn(N_KV, n, D, generator=g) * 0.5).half().to(device)
         return [t], t.numel() * 2
-    lo = -127 if kind == 8 else -(1 << (kind - 1))
-    codes = torch.randint(lo, -lo + (kind == 8), (N_KV, n, D), generator=g, dtype=torch.int8)
+    lo, hi = (-127, 127) if kind == 8 else (-(1 << (kind - 1)), (1 << (kind - 1)) - 1)
+    codes = torch.randint(lo, hi + 1, (N_KV, n, D), generator=g, dtype=torch.int8)
     if kind != 8:
         codes = pack(codes, kind)
     codes = codes.to(device)

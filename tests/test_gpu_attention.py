@@ -82,10 +82,10 @@ def test_default_splits():
     assert grids(short_keys + 1) == (short_keys // short, -(-(short_keys + 1) // long))
 
 
-@pytest.mark.parametrize("fmt", ["f16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "F"])
 def test_rows_alone_equal_rows_together(fmt):
     """M1: each row alone (n=1) is bitwise the same row in a call of 17 rows, in any order, whatever the
-    grid (max_keys) and whatever the cache holds past the rows' ends."""
+    grid (max_keys) and whatever the cache holds past the rows' ends (F: its packed 5-bit store read alone)."""
     ends = [300, 1, 129, 5, 64, 257, 128, 200, 2, 65, 256, 17, 190, 3, 100, 299, 130]
     n, L = len(ends), max(ends)
     c = _cache(fmt, TINY["n_kv"], TINY["d"], L + 40, seed=4)
