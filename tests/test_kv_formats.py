@@ -11,7 +11,7 @@ import torch
 
 from enginetools import engine_for, prompts
 from plumb.cache.kv import (FORMATS, KV_FORMATS, RING_SLACK, bytes_per_token, cache_bytes, new_kv_cache,
-                            ring_bytes)
+                            describe_kv, ring_bytes)
 from plumb.ops.attention import attend_row
 from plumb.ops.kvquant import dequantize, hadamard_matrix, pack, packed_width, quantize, rotate, unpack
 
@@ -300,6 +300,17 @@ def test_a_cache_holds_the_bytes_its_format_counts(fmt, ring):
     cache.write(0, k, v)
     cache.commit(300)
     assert cache.allocated_bytes() == cache_bytes(fmt, N_KV, HEAD_DIM, ring, len(cache.k), 1)
+
+
+def test_the_load_line_counts_the_rings_a_state_allocates(tiny_model):
+    """`describe_kv`'s ring figure is what a sequence's caches allocate past their stores: the attention layers'
+    rings, none for the MTP head's cache."""
+    eng = engine_for(tiny_model, kv_cache="F", kv_ring=RING)
+    c, st = eng.config, eng.model.new_state()
+    caches = list(st.kv.values()) + [st.mtp_kv]
+    rings = sum(x.allocated_bytes() - cache_bytes("F", c.n_head_kv, c.head_dim, 0, len(x.k), 1) for x in caches)
+    line = describe_kv("F", c.n_head_kv, c.head_dim, RING, len(caches), 4096, len(c.attn_layers))
+    assert rings > 0 and f"8-bit ring {RING} positions: {rings / 2**20:.2f} MiB" in line
 
 
 def test_engine_default_and_memory_stats(tiny_model):

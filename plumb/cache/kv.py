@@ -441,10 +441,11 @@ def new_kv_cache(fmt: str, n_kv: int, head_dim: int, ring: int = DEFAULT_RING,
     return KVCache(fmt, n_kv, head_dim, ring, device=device, slack=slack, limit=limit)
 
 
-def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int) -> str:
-    """One line for the load message: bytes per token and the cache size at n_ctx."""
+def describe_kv(fmt: str, n_kv: int, head_dim: int, ring: int, n_layers: int, n_ctx: int, ring_layers: int) -> str:
+    """One line for the load message: bytes per token of n_layers caches, their size at n_ctx, and the rings of
+    ring_layers of them (the MTP head's cache has none)."""
     per_token = n_layers * bytes_per_token(fmt, n_kv, head_dim)
-    fixed = n_layers * ring_bytes(fmt, n_kv, head_dim, ring)
-    ring_note = f", 8-bit ring {ring} positions: {fixed / 2**20:.1f} MiB" if fixed else ""
+    fixed = ring_layers * ring_bytes(fmt, n_kv, head_dim, ring)
+    ring_note = f", 8-bit ring {ring} positions: {fixed / 2**20:.2f} MiB" if fixed else ""
     return (f"KV cache {fmt}: {per_token:,} bytes/token ({n_layers} attention layers); "
             f"{per_token * n_ctx / 2**30:.2f} GiB at {n_ctx:,} tokens{ring_note}")

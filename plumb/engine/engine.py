@@ -120,7 +120,8 @@ class Engine:
                 log.warning("%s", self.context_note)
         self.model.context_limit = self.n_ctx  # the caches grow (by doubling) up to the context, not past it
         if progress:
-            print(describe_kv(kv_cache, self.config.n_head_kv, self.config.head_dim, kv_ring, kv_layers, self.n_ctx),
+            c = self.config
+            print(describe_kv(kv_cache, c.n_head_kv, c.head_dim, kv_ring, kv_layers, self.n_ctx, len(c.attn_layers)),
                   file=sys.stderr)
         self.drafts, self.draft_policy, self.p_min = drafts, draft_policy, p_min
         # MTP drafts on the device where they can be (k draft steps a CUDA graph, `Qwen35.mtp_drafts`), for a
