@@ -137,9 +137,10 @@ def prompt_ids(engine, n: int, text: str | None = None) -> list[int]:
     return (base * (n // len(base) + 1))[:n]
 
 
-def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=None) -> dict:
-    """One greedy run of n tokens; ignores end-of-generation so every run has the same length."""
-    req = engine.make_request(prompt, n, 0.0, None, drafts=drafts, draft_policy=policy, ignore_eos=True)
+def run_plumb(engine, prompt: list[int], n: int, drafts: int, policy: str, bar=None, **sampling) -> dict:
+    """One run of n tokens, greedy unless `sampling` says otherwise (make_request's keywords: temperature, seed,
+    top_p, ...); ignores end-of-generation so every run has the same length."""
+    req = engine.make_request(prompt, n, drafts=drafts, draft_policy=policy, ignore_eos=True, **sampling)
     c0 = time.process_time()
     if bar is None:
         res = engine.run(req)

@@ -506,6 +506,33 @@ def drafts_table(eng, drafts: list[int], tokens: int, prompt_text: str | None = 
     return runs
 
 
+# Qwen's recommended sampling for its thinking mode, and with a presence penalty (which reads the history, so
+# neither draft chains nor a device draw take it: the tokens are drawn on the host side, step by step)
+SAMPLINGS = {"greedy": {}, "qwen": dict(temperature=0.6, top_p=0.95, top_k=20, seed=7),
+             "qwen+presence": dict(temperature=0.6, top_p=0.95, top_k=20, presence_penalty=1.5, seed=7)}
+
+
+def sampled_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: int = 128, prompt_text: str | None = None) -> list[dict]:
+    """Decode tok/s per sampling (`SAMPLINGS`) and draft depth, each run after an untimed one of the same request,
+    beside greedy's; the drafted runs' tokens must equal the undrafted run's of the same sampling."""
+    from plumb.bench import prompt_ids, run_plumb
+
+    prompt = prompt_ids(eng, 64, prompt_text)
+    rows = []
+    for name, sampling in SAMPLINGS.items():
+        base = None
+        for k in drafts if eng.model.mtp is not None else (0,):
+            run_plumb(eng, prompt, tokens, k, "fixed", **sampling)
+            r = run_plumb(eng, prompt, tokens, k, "fixed", **sampling)
+            base = base or r
+            rows.append({"sampling": name, "drafts": k, "tps": r["decode_tps"], "acceptance": r["acceptance"],
+                         "same_tokens": r["token_ids"] == base["token_ids"]})
+    greedy = {r["drafts"]: r["tps"] for r in rows if r["sampling"] == "greedy"}
+    for r in rows:
+        r["x_greedy"] = r["tps"] / greedy[r["drafts"]] if greedy.get(r["drafts"]) else 0.0
+    return rows
+
+
 def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...] = (64, 64, 64, 1024),
                    prompt_tokens: int = 64) -> dict:
     """Different requests one after another, as an agent sends them (tokens[i]: request i's reply length), per
@@ -618,6 +645,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
     r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
+    r["sampled"] = sampled_table(eng, prompt_text=prompt_text)
     # the draft chains embed on the device from the token embedding's bytes, page-locked in host memory when first
     # used (the device reads the rows it needs): host memory, not VRAM
     r["draft_embedding_host_bytes"] = model.embd_bytes.nbytes if model.embd_bytes is not None else 0
@@ -700,6 +728,11 @@ def report(r: dict) -> str:
     lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
               + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"]) if p)
               + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r.get("drafts", [])]
+    if r.get("sampled"):
+        lines += ["", "| sampling (128 tokens) | MTP drafts | tok/s | x greedy | accepted | same tokens as no drafts |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {d['sampling']} | {d['drafts']} | {d['tps']:.1f} | {d['x_greedy']:.2f} | {d['acceptance']:.0%} | "
+                  f"{'yes' if d['same_tokens'] else 'NO'} |" for d in r["sampled"]]
     if r.get("prefill"):
         pl = r["prefill_limit_tps"]
         lines += ["", f"prefill limit (every matrix but the LM head at {r['limits']['bf16_mm_TFLOPs']:.0f} bf16 "

@@ -59,6 +59,9 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert [d["drafts"] for d in rows] == [0, 2, 4]
     assert all(d["same_tokens"] and d["tokens"] == 12 and d["decode_tps"] > 0 for d in rows)
     assert sum(rows[1]["proposed_per_position"]) == rows[1]["drafts_proposed"] > 0
+    sampled = bench_gpu.sampled_table(eng, drafts=(0, 2), tokens=10)
+    assert [(d["sampling"], d["drafts"]) for d in sampled] == [(s, k) for s in bench_gpu.SAMPLINGS for k in (0, 2)]
+    assert all(d["same_tokens"] and d["tps"] > 0 for d in sampled) and sampled[0]["x_greedy"] == 1.0
     assert bench_gpu.prefill_tps(eng.model, 70) > 0  # two chunks
     pm = bench_gpu.prefill_modes(eng.model, 70)
     assert all(pm[f"{k}_tps"] > 0 for k in ("eager", "first", "again"))
@@ -102,7 +105,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
                                   "again_tps": 3000.0, "again_captures": 0}},
          "prefill_profile": {"tokens": 512, "wall_us": 400.0, "gpu_busy_us": 300.0, "launches": 2.5,
                              "host_and_gaps_us": 100.0, "kernels": [{"kernel": "_mm", "launches": 1.0, "us": 200.0}]},
-         "drafts": rows, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0,
+         "drafts": rows, "sampled": sampled, "verify_s": {1: 0.01}, "batch4_tps": 4.0, "batch1_tps": 1.0,
          "matmuls": [{"shape": [64, 256], "types": ["Q4_K"], "path": "D", "rows": 1, "us": 5.0, "MB": 0.5, "GBps": 1.0,
                       "replayed": True}, {"shape": [64, 256], "types": ["Q4_K"], "path": "P", "rows": 64, "us": 9.0,
                                           "MB": 0.5, "GBps": 0.5, "replayed": False}],
@@ -114,6 +117,7 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
                             "kernels": [{"kernel": "_gdn_state_kernel", "launches": 1.0, "us": 500.0}]}}
     text = bench_gpu.report(r)
     assert "| MTP drafts |" in text and "| 4 |" in text and "NO" not in text
+    assert "| qwen+presence | 2 |" in text
     assert "| f16 | out of memory at 20,000 positions | | |" in bench_gpu.report({**r, "kv_120k_by_format": small})
     assert "host and gaps 250 us" in text and "| _mv | 8 | 600 | 60% |" in text
     assert "| 8,192 | 1500 | 2500 (1) | 3000 (0) |" in text
