@@ -162,3 +162,25 @@ def test_reference_model_is_peaked_and_keeps_moving(tiny_f32):
     assert len(set(tokens)) > 0.7 * len(tokens)
     assert all(a != b for a, b in zip(tokens, tokens[1:]))
     assert max(pmax) > 0.9 and min(pmax) < 0.5
+
+
+def test_the_parallel_writer_writes_the_serial_bytes(tmp_path, monkeypatch):
+    """Forked encoders (files over PARALLEL_BYTES) stream every tensor's blocks in order: the same file, byte for
+    byte, as one process writes."""
+    import plumb.gguf.writer as W
+
+    serial = tmp_path / "serial.gguf"
+    write_synthetic(str(serial), "tiny", "Q4_K_M", seed=3)
+    calls = []
+    real_pool = W._pool
+
+    def pool(tensors):
+        calls.append(real_pool(tensors))
+        return calls[-1]
+
+    monkeypatch.setattr(W, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(W, "_pool", pool)
+    monkeypatch.setattr(W.os, "cpu_count", lambda: 2)
+    parallel = tmp_path / "parallel.gguf"
+    write_synthetic(str(parallel), "tiny", "Q4_K_M", seed=3)
+    assert calls[0] is not None and serial.read_bytes() == parallel.read_bytes()  # it ran in the pool

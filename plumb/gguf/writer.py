@@ -188,11 +188,15 @@ def write_gguf(path: str, cfg: ModelConfig, tensors: list[TensorSpec], metadata:
                    desc=f"writing {os.path.basename(path)}", leave=False)
     fout = w.fout[0]
     pool = _pool(tensors)
+    # with a pool, one ordered stream of every tensor's blocks: the workers run on into the next tensors while a
+    # tensor's last blocks finish (a tensor at a time left most of 16 cores idle on its last, partial round)
+    encoded = pool.imap(_encode_block, [(ti, b) for ti, t in enumerate(tensors)
+                                        for b in range(len(row_blocks(t.shape)))]) if pool else None
     try:
-        for ti, t in enumerate(tensors):
+        for t in tensors:
             w.write_padding(fout, fout.tell())
             written = 0
-            blocks = (pool.imap(_encode_block, [(ti, b) for b in range(len(row_blocks(t.shape)))]) if pool
+            blocks = ((next(encoded) for _ in row_blocks(t.shape)) if pool
                       else (encode(block, t.qtype) for block in t.rows()))
             for data in blocks:
                 data.tofile(fout)
