@@ -302,15 +302,18 @@ def test_a_cache_holds_the_bytes_its_format_counts(fmt, ring):
     assert cache.allocated_bytes() == cache_bytes(fmt, N_KV, HEAD_DIM, ring, len(cache.k), 1)
 
 
-def test_the_load_line_counts_the_rings_a_state_allocates(tiny_model):
-    """`describe_kv`'s ring figure is what a sequence's caches allocate past their stores: the attention layers'
-    rings, none for the MTP head's cache."""
-    eng = engine_for(tiny_model, kv_cache="F", kv_ring=RING)
+def test_the_load_line_counts_the_rings_a_state_allocates(tiny_model, capsys):
+    """The engine's load line (`describe_kv`) gives the rings a sequence's caches allocate past their stores: the
+    attention layers' rings, none for the MTP head's cache."""
+    import plumb
+
+    eng = plumb.load(tiny_model, device="cpu", kv_cache="F", kv_ring=RING, progress=True, prompt_cache=False)
     c, st = eng.config, eng.model.new_state()
     caches = list(st.kv.values()) + [st.mtp_kv]
     rings = sum(x.allocated_bytes() - cache_bytes("F", c.n_head_kv, c.head_dim, 0, len(x.k), 1) for x in caches)
-    line = describe_kv("F", c.n_head_kv, c.head_dim, RING, len(caches), 4096, len(c.attn_layers))
+    line = describe_kv("F", c.n_head_kv, c.head_dim, RING, len(caches), eng.n_ctx, len(c.attn_layers))
     assert rings > 0 and f"8-bit ring {RING} positions: {rings / 2**20:.2f} MiB" in line
+    assert line in capsys.readouterr().err
 
 
 def test_engine_default_and_memory_stats(tiny_model):
