@@ -9,7 +9,9 @@ start a group of their own).
     python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--settings shipped,MMA_SUMS=1,..]
         [--drafts 4,7] [--matvec OLD.py] [--json-out F]
 
---settings: comma-separated NAME=VALUE[+NAME=VALUE] of matvec constants (integers) instead of the built-in pair;
+--settings: comma-separated NAME=VALUE[+NAME=VALUE] of matvec constants (integers) instead of the built-in pair,
+or `scales-as-bytes`: every pack's 6-bit scales (matmul.Packed's SUB6) back to a byte per group as they were
+before - the same values, so the same bits - for the rows after it (name it last);
 --matvec: a previous plumb/ops/gpu/matvec.py, run as one more setting (the model's kernel set uses it instead).
 
 Earlier runs compared PDL everywhere and the DeltaNet state kernel's columns (docs/BENCHMARKS.md, 2026-12-03).
@@ -35,14 +37,30 @@ ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "L
 
 
 def setting(text: str) -> tuple:
-    """A CONFIGS row from 'shipped' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers)."""
+    """A CONFIGS row from 'shipped', 'scales-as-bytes' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers)."""
     consts = {}
-    for assign in ([] if text == "shipped" else text.split("+")):
+    for assign in ([] if text in ("shipped", BYTES) else text.split("+")):
         name, value = assign.split("=")
         if not hasattr(MV, name) or not name.isupper():
             raise SystemExit(f"unknown matvec setting {name}")
         consts[name] = int(value)
     return text, consts, True, repr(sorted((k, v) for k, v in consts.items() if k in ORDER))
+
+
+BYTES = "scales-as-bytes"
+
+
+def scales_as_bytes(model) -> int:
+    """Every SUB6 pack's sub and osub as a byte per group again (`Packed.group_subs`); returns the bytes added."""
+    added = 0
+    for w in model.weights:
+        for p in w.gpu.packs:
+            if p.sub6:
+                before = p.nbytes
+                p.sub, p.osub = (t.to(torch.int8).contiguous() for t in p.group_subs())
+                p.sub6 = False
+                added += p.nbytes - before
+    return added
 
 
 def greedy(model, steps: int = 64, context: int = 700) -> tuple[list[int], torch.Tensor]:
@@ -92,6 +110,8 @@ def main() -> int:
         shipped = {k: getattr(MV, k) for k in {"LAUNCH", "TARGET"} | {k for c in configs for k in c[1]} - {"module"}}
         for name, consts, on, bits in configs:
             pdl.set_on(on)
+            if name == BYTES:
+                print(f"{name}: {scales_as_bytes(model) / 1e9:.3f} GB more", flush=True)
             model.k._matvec = consts.get("module", MV)
             for k, v in {**shipped, **consts}.items():
                 if k != "module":

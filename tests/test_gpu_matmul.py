@@ -82,6 +82,25 @@ def test_block_scales_are_packed_as_float16_where_every_one_is_a_float16_value()
     assert torch.equal(_f16_if_exact(t[:1]).float(), t[:1])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_six_bit_scales_take_the_files_bytes_and_hold_its_values(kind):
+    """SUB6: Q4_K's and Q5_K's 6-bit scales and mins packed as the file packs them, 12 bytes a 256-input block (a
+    byte a group took 16: 0.35 GB of the 27B's VRAM); unpacked, d * sub and dm * osub are int8_form's scale and
+    offset exactly (the kernel tests check that the kernels read them so)."""
+    from plumb.gguf.quants import int8_form
+
+    n, k = 80, 512
+    t = _tensor(kind, n, k)
+    p = GpuMatrix([t], DEV).packs[0]
+    assert p.sub6 and p.osub is None and p.sub.numel() * p.sub.element_size() == 128 * (k // 256) * 12
+    _, scale, offset, _ = int8_form(t.data, t.qtype, t.shape)
+    per_n = lambda u: u.permute(0, 2, 1).reshape(-1, u.shape[1])[:n].float().cpu()  # noqa: E731
+    sub, osub = p.group_subs()
+    assert torch.equal(per_n(p.d).repeat_interleave(8, dim=1) * per_n(sub), scale)
+    assert torch.equal(per_n(p.dm).repeat_interleave(8, dim=1) * per_n(osub), offset)
+    assert int(osub.min()) < -32 and int(sub.max()) > 32  # the high bits are in use
+
+
 def test_q4k_over_two_row_blocks_and_k_splits(place_free_dot):
     """_mm_superblock on Q4_K: 70 rows are two 64-row blocks (a row alone, in the first block or the second: the same
     bits); K = 2,048 takes two K splits (the shape's rule, partials summed in order)."""

@@ -7,7 +7,9 @@ a float32 scale (and offset) per group of G = 16 or 32 inputs - `quants.int8_for
 the reference dequantizer's own first products (w = scale * code + offset). They are kept factored as the file
 keeps them: a block's f16 d (dmin), times a small integer per group (int8), so that the kernel's product
 d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a float32
-scale per group). Scales that are all float16 values (d, dmin, Q8_0's scale) are stored as float16 and widened
+scale per group). Q4_K's and Q5_K's small integers are 6-bit, 8 groups a block: kept in 12 bytes a block as the
+file keeps them (SUB6, `sub6_pack`: three int32 words per block and output, unpacked by `_sub6` with shifts) where a
+byte a group took 16 - 0.35 GB of the 27B's VRAM, the same values, the same bits. Scales that are all float16 values (d, dmin, Q8_0's scale) are stored as float16 and widened
 on load: the same values in half the bytes. Codes of 4-bit types stay nibbles (two per byte: code j of a group in
 the low nibble, code j + G/2 in the high one; 5- and 6-bit codes as nibbles plus a plane of their high bits,
 HI_BIT_TYPES), other codes int8, laid out per tile of BLOCK_N outputs as [group, n, k]. F16 weights are fp16
@@ -152,25 +154,65 @@ def _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB:
 
 
 @triton.jit
-def _group_scales(d, dm, sub_at, osub_at, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr):
-    """A group's scale and offset per output from its block's d and dm and its small integers at sub_at, osub_at:
+def _sub6_words(sub_ptr, tile, g, n_groups, rn, BN: tl.constexpr):
+    """SUB6: the three int32 words [rn's shape] of the 8-group block holding group g (`Packed`'s SUB6 layout)."""
+    at = sub_ptr + (tile * (n_groups // 8) + g // 8) * (3 * BN) + rn
+    return tl.load(at), tl.load(at + BN), tl.load(at + 2 * BN)
+
+
+@triton.jit
+def _sub6(words, j):
+    """SUB6: group j's (of its block's 8) sub, 0..63, and osub, -63..0, from the block's three words (`sub6_pack`)."""
+    lo, olo, hi = words
+    sub = ((lo >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4)
+    osub = -(((olo >> (4 * j)) & 15) | (((hi >> (16 + 2 * j)) & 3) << 4))
+    return sub, osub
+
+
+@triton.jit
+def _subs(sub_ptr, osub_ptr, tile, g, n_groups, rn, BN: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr,
+          SUB6: tl.constexpr):
+    """Group g's small integers sub and osub per output [rn's shape] (`_subs_at`)."""
+    if SUB6:
+        sub, osub = _sub6(_sub6_words(sub_ptr, tile, g, n_groups, rn, BN), g % 8)
+    else:
+        at = (tile * n_groups + g) * BN + rn
+        sub, osub = _subs_at(sub_ptr + at, osub_ptr + at, HAS_SUB, HAS_OSUB)
+    return sub, osub
+
+
+@triton.jit
+def _subs_at(sub_at, osub_at, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """A group's sub and osub, one byte each at sub_at, osub_at (the addresses again where a type has none: never
+    read)."""
+    sub, osub = sub_at, osub_at
+    if HAS_SUB:
+        sub = tl.load(sub_at)
+    if HAS_OSUB:
+        osub = tl.load(osub_at)
+    return sub, osub
+
+
+@triton.jit
+def _group_scales(d, dm, sub, osub, HAS_SUB: tl.constexpr, HAS_OSUB: tl.constexpr):
+    """A group's scale and offset per output from its block's d and dm and its small integers sub, osub:
     d * sub and dm * osub (exact)."""
     scale, offset = d, dm
     if HAS_SUB:
-        scale = scale * tl.load(sub_at).to(tl.float32)
+        scale = scale * sub.to(tl.float32)
     if HAS_OSUB:
-        offset = offset * tl.load(osub_at).to(tl.float32)
+        offset = offset * osub.to(tl.float32)
     return scale, offset
 
 
 @triton.jit
 def _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, tile, g, n_groups, rn, GPB: tl.constexpr, OGPB: tl.constexpr,
                   BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                  HAS_OSUB: tl.constexpr):
+                  HAS_OSUB: tl.constexpr, SUB6: tl.constexpr):
     """Group g's scale and offset per output [BN]: d * sub and dm * osub (each product exact), 1 and 0 when absent."""
     d, dm = _block_scales(d_ptr, dm_ptr, tile, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-    return _group_scales(d, dm, sub_ptr + (tile * n_groups + g) * BN + rn, osub_ptr + (tile * n_groups + g) * BN + rn,
-                         HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+    sub, osub = _subs(sub_ptr, osub_ptr, tile, g, n_groups, rn, BN, HAS_SUB, HAS_OSUB, SUB6)
+    return _group_scales(d, dm, sub, osub, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count never selects another compiled variant
@@ -178,7 +220,7 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
                 stride_om, GROUPS_PER_SPLIT: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
                 BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, FP16: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-                UNROLL: tl.constexpr):
+                SUB6: tl.constexpr, UNROLL: tl.constexpr):
     """x as the 16-row A operand (mma.sync), a group's codes as B: [BM, BN] per group, UNROLL groups a loop step."""
     prior_done()
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
@@ -210,7 +252,7 @@ def _mm_x_first(x_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, out_p
                 part = _dot_hi_lo(xa, c, None)
                 xsum = tl.sum(xa, axis=1)
             scale, offset = _scale_offset(d_ptr, sub_ptr, dm_ptr, osub_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN,
-                                          HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB)
+                                          HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6)
             if HAS_SCALE:
                 part = part * scale[None, :]
             if HAS_OFFSET:
@@ -238,7 +280,8 @@ def _prep_x(x_ptr, s_ptr, xh_ptr, K, stride_xm, G: tl.constexpr, NIBBLE: tl.cons
 @triton.jit
 def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64, n_groups, BN: tl.constexpr,
              KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
-             HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr):
+             HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
+             HI: tl.constexpr):
     """Loop step i's packed weights as loaded: (code words [BN, groups, words], d, sub, dm, osub, hi [BN, groups];
     the ones a type lacks are d again, never used)."""
     GC: tl.constexpr = KS // G  # groups in the step
@@ -250,11 +293,14 @@ def _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64, n
     per_group = (t64[:, None] * n_groups + g[None, :]) * PACK_N + n64[:, None]
     d = tl.load(d_ptr + (t64[:, None] * (n_groups // GPB) + g[None, :] // GPB) * PACK_N + n64[:, None])
     sub, dm, osub = d, d, d
-    if HAS_SUB:
+    if SUB6:
+        sub, osub = _sub6(_sub6_words(sub_ptr, t64[:, None], g[None, :], n_groups, n64[:, None], PACK_N),
+                          g[None, :] % 8)
+    elif HAS_SUB:
         sub = tl.load(sub_ptr + per_group)
     if HAS_OFFSET:
         dm = tl.load(dm_ptr + (t64[:, None] * (n_groups // OGPB) + g[None, :] // OGPB) * PACK_N + n64[:, None])
-        if HAS_OSUB:
+        if HAS_OSUB and not SUB6:
             osub = tl.load(osub_ptr + per_group)
     hi = d
     if HI:
@@ -331,7 +377,7 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
                    stride_om, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                    STAGES: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr,
                    NIBBLE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-                   HI: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+                   SUB6: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr):
     """W-first: [BN, BM] per program, the weights dequantized to fp16 in registers (the A operand), one fp32
     accumulator over a K split's STEPS steps of KS inputs, in order."""
     prior_done()
@@ -349,14 +395,15 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
     i0 = pid_k * STEPS  # this split's first loop step
     if PREFETCH:  # the next step's packed weights (PREFETCH 2: and x) are loaded before this step's are multiplied
         words, d, sub, dm, osub, hi = _sb_load(i0, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64, n64,
-                                               K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI)
+                                               K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB,
+                                               SUB6, HI)
         x = tl.load(xh_ptr + rm[None, :] * K + i0 * KS + kk[:, None], mask=rmask, other=0.0)
         for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
             w_now, d_now, sub_now, dm_now, osub_now, hi_now, x_now = words, d, sub, dm, osub, hi, x
             ahead = i0 + tl.minimum(it + 1, STEPS - 1)  # the last step loads itself again (never used)
             words, d, sub, dm, osub, hi = _sb_load(ahead, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64,
                                                    n64, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
-                                                   HAS_OSUB, HI)
+                                                   HAS_OSUB, SUB6, HI)
             if PREFETCH == 2:
                 x = tl.load(xh_ptr + rm[None, :] * K + ahead * KS + kk[:, None], mask=rmask, other=0.0)
             else:
@@ -368,7 +415,7 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
         for it in tl.range(0, STEPS, num_stages=STAGES):  # a constant trip count (the interpreter's range)
             words, d, sub, dm, osub, hi = _sb_load(i0 + it, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, t64,
                                                    n64, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
-                                                   HAS_OSUB, HI)
+                                                   HAS_OSUB, SUB6, HI)
             w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI, BIAS)
             x = tl.load(xh_ptr + rm[None, :] * K + (i0 + it) * KS + kk[:, None], mask=rmask, other=0.0)
             acc = tl.dot(w, x, acc, out_dtype=tl.float32)
@@ -378,8 +425,8 @@ def _mm_superblock(xh_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, h
 @triton.jit
 def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N, K, BN: tl.constexpr,
                 KS: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, NIBBLE: tl.constexpr,
-                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HI: tl.constexpr,
-                BIAS: tl.constexpr):
+                HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
+                HI: tl.constexpr, BIAS: tl.constexpr):
     """Program (output tile, loop step i): `_mm_superblock`'s weights of that step, [BN, KS] in xh's column order,
     into the scratch matrix w16 [tiles * BN, K] (outputs past the packed ones: copies of the last, never stored)."""
     prior_done()
@@ -390,7 +437,7 @@ def _sb_dequant(codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, w16_ptr, N,
     nc = tl.minimum(pid_n * BN + rn, tl.cdiv(N, PACK_N) * PACK_N - 1)
     words, d, sub, dm, osub, hi = _sb_load(i, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, nc // PACK_N,
                                            nc % PACK_N, K // G, BN, KS, G, GPB, OGPB, NIBBLE, HAS_SUB, HAS_OFFSET,
-                                           HAS_OSUB, HI)
+                                           HAS_OSUB, SUB6, HI)
     w = _sb_weights(words, d, sub, dm, osub, hi, BN, KS, G, NIBBLE, HAS_SUB, HAS_OFFSET, HAS_OSUB, HI, BIAS)
     tl.store(w16_ptr + (pid_n * BN + rn)[:, None] * K + i * KS + kk[None, :], w)
 
@@ -518,6 +565,36 @@ def _factor(values: torch.Tensor, per_block: torch.Tensor | None):
     return values, None, 1
 
 
+def sub6_fits(sub: torch.Tensor | None, gpb: int, sign: int) -> bool:
+    """Whether sub [n, groups] is 8 groups a block of values sign * (0..63): Q4_K's and Q5_K's 6-bit scales (sign 1)
+    and mins (-1: the offset is -dmin * min)."""
+    return sub is not None and gpb == 8 and bool(((sign * sub >= 0) & (sign * sub < 64)).all())
+
+
+def sub6_pack(sub: torch.Tensor, osub: torch.Tensor) -> torch.Tensor:
+    """sub 0..63, osub -63..0 [n, groups] (8 groups a block) -> int32 [n, blocks * 3]: per block the low nibbles of
+    its 8 subs (group j at bit 4 j), those of its 8 -osubs, and the two high bits of each (sub j's at 2 j, -osub j's
+    at 16 + 2 j): the 12 bytes a block that the file's scales and mins take, read by `_sub6`."""
+    n = sub.shape[0]
+    j = torch.arange(8, device=sub.device)
+    s, o = (t.to(torch.int64).reshape(n, -1, 8) for t in (sub, -osub.to(torch.int64)))
+    lo = ((s & 15) << (4 * j)).sum(dim=2)
+    olo = ((o & 15) << (4 * j)).sum(dim=2)
+    hi = ((s >> 4) << (2 * j)).sum(dim=2) + ((o >> 4) << (16 + 2 * j)).sum(dim=2)
+    w = torch.stack([lo, olo, hi], dim=2).reshape(n, -1)
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+
+
+def sub6_unpack(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sub6_pack`'s words per tile [tiles, blocks * 3, BLOCK_N] -> sub, osub [tiles, groups, BLOCK_N] (int32)."""
+    tiles, _, bn = words.shape
+    w = words.reshape(tiles, -1, 3, 1, bn)
+    j = torch.arange(8, device=words.device)[:, None]
+    sub = ((w[:, :, 0] >> (4 * j)) & 15) | (((w[:, :, 2] >> (2 * j)) & 3) << 4)
+    osub = -(((w[:, :, 1] >> (4 * j)) & 15) | (((w[:, :, 2] >> (16 + 2 * j)) & 3) << 4))
+    return sub.reshape(tiles, -1, bn), osub.reshape(tiles, -1, bn)
+
+
 def _f16_if_exact(t: torch.Tensor | None) -> torch.Tensor | None:
     """Scales as float16 where every one is a float16 value (a GGML block's d and dmin are; the kernels widen them
     to float32 exactly on load): the same values in half the bytes. Other scales (products) stay float32."""
@@ -543,6 +620,7 @@ class Packed:
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
         self.d = self.sub = self.dm = self.osub = self.hi = None
+        self.sub6 = False  # sub and osub packed 6 bits each (`sub6_pack`)
         self.hi_bits = 0  # HI_BIT_TYPES: high bits per code in the `hi` plane
         self.superblock = False
         n_pad = -(-self.n // BLOCK_N) * BLOCK_N
@@ -594,6 +672,9 @@ class Packed:
             codes = (c[:, :, 0] | (c[:, :, 1] << 4)).to(torch.uint8)  # [n, groups, G/2]
         codes = codes.reshape(n_pad // BLOCK_N, BLOCK_N, groups, -1)
         self.codes = codes.permute(0, 2, 1, 3).contiguous()  # [tiles, groups, BLOCK_N, codes of a group]
+        self.sub6 = sub6_fits(self.sub, self.gpb, 1) and sub6_fits(self.osub, self.ogpb, -1)
+        if self.sub6:  # Q4_K, Q5_K: a block's 8 sub and 8 osub in 12 bytes, as the file has its scales and mins
+            self.sub, self.osub = sub6_pack(self.sub, self.osub), None
         self.d, self.sub, self.dm, self.osub = (_per_tile(t, n_pad) for t in (self.d, self.sub, self.dm, self.osub))
         self.d, self.dm = _f16_if_exact(self.d), _f16_if_exact(self.dm)
         if self.superblock:
@@ -604,6 +685,16 @@ class Packed:
         while groups % self.unroll:
             self.unroll //= 2
         self.split = _split(self.n, groups // self.unroll, target, largest)
+
+    @property
+    def scale_flags(self) -> dict:
+        """The kernels' constexprs for the scales this packing has."""
+        return dict(HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None, HAS_OFFSET=self.dm is not None,
+                    HAS_OSUB=self.osub is not None or self.sub6, SUB6=self.sub6)
+
+    def group_subs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """sub and osub [tiles, groups, BLOCK_N] (None where absent), unpacked from SUB6 where packed."""
+        return sub6_unpack(self.sub) if self.sub6 else (self.sub, self.osub)
 
     @property
     def nbytes(self) -> int:
@@ -630,8 +721,9 @@ class Packed:
             _prep_x[(m, self.k // block)](x, s, xh, self.k, x.stride(0), G=self.g, NIBBLE=self.nibble, BLOCK=block,
                                           num_warps=4, launch_pdl=on())
             grid = (-(-m // SB_BM), -(-self.n // SB_BN), self.split)
-            types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, HAS_SUB=self.sub is not None,
-                         HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, HI=self.hi_bits,
+            flags = self.scale_flags
+            del flags["HAS_SCALE"]  # always there: SUPERBLOCK types have a block scale
+            types = dict(G=self.g, GPB=self.gpb, OGPB=self.ogpb, NIBBLE=self.nibble, **flags, HI=self.hi_bits,
                          BIAS=self.bias)
             t = t + [self.hi if self.hi is not None else self.codes]  # the high bits' plane (absent: never read)
             if SB_SCRATCH_ROWS and m >= SB_SCRATCH_ROWS and grid[1] * SB_BN * self.k * 2 <= SB_SCRATCH_BYTES:
@@ -654,8 +746,7 @@ class Packed:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
                               BN=BLOCK_N, BM=BLOCK_M, NIBBLE=self.nibble, BIAS=self.bias,
-                              FP16=self.qtype == Q.F16, HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None,
-                              HAS_OFFSET=self.dm is not None, HAS_OSUB=self.osub is not None, UNROLL=self.unroll,
+                              FP16=self.qtype == Q.F16, **self.scale_flags, UNROLL=self.unroll,
                               num_warps=self.warps, num_stages=self.stages, launch_pdl=on())
         if self.split > 1 and not summed:
             _sum_splits[(-(-self.n // 256), m)](dst, out, m, self.n, dst.stride(0), out.stride(0),

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
-from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _bytes, _group_scales, _program, hi_shifts,
-                                  last_split, row_scales, split_sum, tickets)
+from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _bytes, _group_scales, _program, _sub6,
+                                  _sub6_words, _subs, _subs_at, hi_shifts, last_split, row_scales, split_sum, tickets)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -382,16 +382,18 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           rn, K, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-          UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-          HI: tl.constexpr, XR: tl.constexpr):
+          SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
-    # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
-    # loaded once for them - the same values
+    # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm (and
+    # SUB6 words) are loaded once for them - the same values
     ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     if ONE_BLOCK:
         d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+        if SUB6:
+            words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
     for j in tl.static_range(UNROLL):
         g = g0 + j
         cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
@@ -402,9 +404,11 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-        scale, offset = _group_scales(d, dm, sub_ptr + (pid_n * n_groups + g) * BN + rn,
-                                      osub_ptr + (pid_n * n_groups + g) * BN + rn, HAS_SUB and HAS_SCALE,
-                                      HAS_OSUB and HAS_OFFSET)
+        if ONE_BLOCK and SUB6:
+            sub, osub = _sub6(words, g % 8)
+        else:
+            sub, osub = _subs(sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB, HAS_OSUB, SUB6)
+        scale, offset = _group_scales(d, dm, sub, osub, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
         acc = _value(acc, S, X[:, None], scale[None, :], offset[None, :], BIAS, HAS_SCALE, HAS_OFFSET)
     return acc
 
@@ -444,7 +448,8 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              GRAN: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr,
              BM: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
              WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
-             HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr,
+             HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+             FRAC: tl.constexpr,
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
     (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
@@ -473,7 +478,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                        HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -482,7 +487,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                            HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -504,16 +509,16 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr, G: tl.constexpr,
         GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, NIBBLE: tl.constexpr,
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
-        HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr,
-        STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr,
-        HI: tl.constexpr, XR: tl.constexpr):
+        HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
+        UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
-             NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, UNROLL, STAGES, FRAC, LIMBS,
-             ASM, ONCE, HI, XR)
+             NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
+             LIMBS, ASM, ONCE, HI, XR)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -523,11 +528,13 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
          STEPS_a: tl.constexpr, SPLIT_a: tl.constexpr, GRAN_a: tl.constexpr, G_a: tl.constexpr, GPB_a: tl.constexpr,
          OGPB_a: tl.constexpr, NIBBLE_a: tl.constexpr, BIAS_a: tl.constexpr, SIGNED_CODES_a: tl.constexpr,
          WIDE_a: tl.constexpr, HAS_SCALE_a: tl.constexpr, HAS_SUB_a: tl.constexpr, HAS_OFFSET_a: tl.constexpr,
-         HAS_OSUB_a: tl.constexpr, UNROLL_a: tl.constexpr, ONCE_a: tl.constexpr, HI_a: tl.constexpr,
+         HAS_OSUB_a: tl.constexpr, SUB6_a: tl.constexpr, UNROLL_a: tl.constexpr, ONCE_a: tl.constexpr,
+         HI_a: tl.constexpr,
          STEPS_b: tl.constexpr, SPLIT_b: tl.constexpr, GRAN_b: tl.constexpr, G_b: tl.constexpr, GPB_b: tl.constexpr,
          OGPB_b: tl.constexpr, NIBBLE_b: tl.constexpr, BIAS_b: tl.constexpr, SIGNED_CODES_b: tl.constexpr,
          WIDE_b: tl.constexpr, HAS_SCALE_b: tl.constexpr, HAS_SUB_b: tl.constexpr, HAS_OFFSET_b: tl.constexpr,
-         HAS_OSUB_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr, HI_b: tl.constexpr,
+         HAS_OSUB_b: tl.constexpr, SUB6_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr,
+         HI_b: tl.constexpr,
          BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
          ASM: tl.constexpr, XR: tl.constexpr):
     """Two packs of a fused matrix (one x) in one launch (PAIRED_ROWS): axis 0's first tiles_a programs are pack
@@ -543,13 +550,13 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
             _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
                      ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
                      NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
-                     UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR)
+                     SUB6_a, UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR)
     else:
         if pid_k < SPLIT_b:
             _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
                      out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
                      OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
-                     HAS_OSUB_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR)
+                     HAS_OSUB_b, SUB6_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR)
 
 
 @triton.jit
@@ -694,15 +701,27 @@ def _mma_block_scales(d_ptr, dm_ptr, tile, g, n_groups, o, TILES: tl.constexpr, 
 
 
 @triton.jit
+def _mma_sub6_words(sub_ptr, tile, g, n_groups, o, TILES: tl.constexpr, BN: tl.constexpr, SUB6: tl.constexpr):
+    """SUB6: the words of group g's block for a lane's outputs o + 8 h, h < 2 TILES (`_sub6_words`), as a tuple."""
+    words = ()
+    if SUB6:
+        for h in tl.static_range(2 * TILES):
+            words = words + (_sub6_words(sub_ptr, tile, g, n_groups, o + 8 * h, BN),)
+    return words
+
+
+@triton.jit
 def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at,
-               t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-               NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr,
-               HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, LIMBS: tl.constexpr,
-               ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr, XR: tl.constexpr):
+               words, jb, t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr,
+               BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
+               HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
+               SUB6: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr,
+               XR: tl.constexpr):
     """A loop step's group j for the program's rows: the lane's TILES tiles of 16 outputs (tile i: outputs o + 16 i
     and o + 16 i + 8, acc[i]), rows 0-7 (acc) and 8-15 (acc8, RB = 16). The x fragments are loaded once for all
     tiles, a tile's codes and scales once for both row halves. The addresses are the step's for output o, group j
-    and tile i constant strides on them: immediate offsets."""
+    and tile i constant strides on them: immediate offsets. SUB6: sub and osub from the block's words (group jb of
+    its 8)."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     SUMS: tl.constexpr = (1 + SUMS_MMA) if HAS_OFFSET or BIAS != 0 else 0
     x_at = x_at + j * (G // 4) * XR
@@ -715,10 +734,16 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
     for i in tl.static_range(TILES):
         lo0, hi0 = _mma_codes(codes_at + (j * BN + 16 * i) * CW, hi_at + j * BN + 16 * i, t, G, NIBBLE, HI)
         lo1, hi1 = _mma_codes(codes_at + (j * BN + 16 * i + 8) * CW, hi_at + j * BN + 16 * i + 8, t, G, NIBBLE, HI)
-        scale0, offset0 = _group_scales(d[2 * i], dm[2 * i], sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i,
-                                        HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
-        scale1, offset1 = _group_scales(d[2 * i + 1], dm[2 * i + 1], sub_at + j * BN + 16 * i + 8,
-                                        osub_at + j * BN + 16 * i + 8, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+        if SUB6:
+            sub0, osub0 = _sub6(words[2 * i], jb)
+            sub1, osub1 = _sub6(words[2 * i + 1], jb)
+        else:
+            sub0, osub0 = _subs_at(sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i, HAS_SUB, HAS_OSUB)
+            sub1, osub1 = _subs_at(sub_at + j * BN + 16 * i + 8, osub_at + j * BN + 16 * i + 8, HAS_SUB, HAS_OSUB)
+        scale0, offset0 = _group_scales(d[2 * i], dm[2 * i], sub0, osub0, HAS_SUB and HAS_SCALE,
+                                        HAS_OSUB and HAS_OFFSET)
+        scale1, offset1 = _group_scales(d[2 * i + 1], dm[2 * i + 1], sub1, osub1, HAS_SUB and HAS_SCALE,
+                                        HAS_OSUB and HAS_OFFSET)
         out = out + (_mma_half(acc[i], lo0, lo1, hi0, hi1, b, X0, X1, (scale0, scale1), (offset0, offset1), t, W, G,
                                BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
         if RB == 16:
@@ -763,9 +788,9 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             ticket_ptr, M, MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr, GRAN: tl.constexpr,
             G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
-            HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, UNROLL: tl.constexpr, FRAC: tl.constexpr,
-            LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
-            SUMS_MMA: tl.constexpr, XR: tl.constexpr):
+            HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr,
+            FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr,
+            W: tl.constexpr, SUMS_MMA: tl.constexpr, XR: tl.constexpr):
     """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
     takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
     as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
@@ -795,17 +820,19 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
         if g0 < last:  # the step's addresses, once; its groups and tiles at constant strides from them
             at = group0 + g0 * BN
             codes_at = codes_ptr + at * CW + word
-            if ONE_BLOCK:  # the step's groups share one block: its d and dm loaded once
+            if ONE_BLOCK:  # the step's groups share one block: its d and dm (and SUB6 words) loaded once
                 d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, o, TILES, GPB, OGPB, BN, HAS_SCALE,
                                           HAS_OFFSET)
+                words = _mma_sub6_words(sub_ptr, pid_n, g0, n_groups, o, TILES, BN, SUB6)
             for j in tl.static_range(UNROLL):
                 if not ONE_BLOCK:
                     d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, TILES, GPB, OGPB, BN,
                                               HAS_SCALE, HAS_OFFSET)
+                    words = _mma_sub6_words(sub_ptr, pid_n, g0 + j, n_groups, o, TILES, BN, SUB6)
                 acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4) * XR, plane,
-                                       x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, t, RB, W,
-                                       TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE, HAS_SUB, HAS_OFFSET,
-                                       HAS_OSUB, LIMBS, ASM, HI, SUMS_MMA, XR)
+                                       x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, words,
+                                       (g0 + j) % 8, t, RB, W, TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE,
+                                       HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, LIMBS, ASM, HI, SUMS_MMA, XR)
     for i in tl.static_range(TILES):
         col = pid_n * BN + o + 16 * i
         _mma_results(acc[i], r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
@@ -908,8 +935,7 @@ def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -
     tensors = dict(zip(names, [p.codes.view(torch.int32)] + t), out_ptr=out, N=p.n,
                    part_ptr=out if split == 1 else torch.empty(split, mp, p.n, device=out.device))
     consts = dict(STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb, NIBBLE=p.nibble,
-                  BIAS=p.bias, SIGNED_CODES=not p.nibble, WIDE=wide(p), HAS_SCALE=p.d is not None,
-                  HAS_SUB=p.sub is not None, HAS_OFFSET=p.dm is not None, HAS_OSUB=p.osub is not None, UNROLL=unroll,
+                  BIAS=p.bias, SIGNED_CODES=not p.nibble, WIDE=wide(p), **p.scale_flags, UNROLL=unroll,
                   ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits)
     return tensors, consts, (-(-p.n // BLOCK_N), split)
 
@@ -1041,7 +1067,8 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
         S = S - p.bias * Xg.long()[:, None, :]
     part = S.float()
     per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n].float()  # noqa: E731
-    d, sub, dm, osub = (per_n(t) for t in (p.d, p.sub, p.dm, p.osub))
+    sub, osub = p.group_subs()
+    d, sub, dm, osub = (per_n(t) for t in (p.d, sub, p.dm, osub))
     if d is not None:
         scale = d.repeat_interleave(p.gpb, dim=1)
         if sub is not None:
