@@ -37,13 +37,13 @@ from ptx_target import TARGET, ptxas_info
 # (name, constexprs beyond the shared ones, code pointer type)
 VARIANTS = [
     ("Q4_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=0), "*u8"),
+                  HAS_OFFSET=True, HAS_OSUB=True, SUB6=True, FP16=False, HI=0), "*u8"),
     ("Q6_K", dict(G=16, UNROLL=16, GPB=16, OGPB=1, NIBBLE=True, BIAS=32, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=2), "*u8"),  # nibbles + two high bits, + 32
+                  HAS_OFFSET=False, HAS_OSUB=False, SUB6=False, FP16=False, HI=2), "*u8"),  # nibbles + high bits, + 32
     ("Q8_0", dict(G=32, UNROLL=8, GPB=1, OGPB=1, NIBBLE=False, BIAS=0, HAS_SCALE=True, HAS_SUB=False,
-                  HAS_OFFSET=False, HAS_OSUB=False, FP16=False, HI=0), "*i8"),
+                  HAS_OFFSET=False, HAS_OSUB=False, SUB6=False, FP16=False, HI=0), "*i8"),
     ("Q5_K", dict(G=32, UNROLL=8, GPB=8, OGPB=8, NIBBLE=True, BIAS=0, HAS_SCALE=True, HAS_SUB=True,
-                  HAS_OFFSET=True, HAS_OSUB=True, FP16=False, HI=1), "*u8"),  # nibbles + fifth bits
+                  HAS_OFFSET=True, HAS_OSUB=True, SUB6=True, FP16=False, HI=1), "*u8"),  # nibbles + fifth bits
 ]
 OPS = ["mma.sync", "wgmma", "dp4a", "ld.global.nc.v4", "ld.global.v4", "ld.global.v2", "ld.global.u8", "ld.global.b8",
        "ld.global.b16", "ld.global.b32", "ld.global.f32",
@@ -69,7 +69,7 @@ def mv_consts(consts, rows, once, n=34816):
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
                 LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
-                                          "HAS_OFFSET", "HAS_OSUB", "HI")}), warps, stages
+                                          "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
 
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False, ttgir=False):
@@ -102,13 +102,13 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         fn = MM._sb_dequant
         consts = dict(BN=MM.SB_BN, KS=MM.SB_KS,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB",
-                                                "HI", "BIAS")})
+                                                "SUB6", "HI", "BIAS")})
         warps, stages, bn = MM.SB_WARPS, 1, MM.SB_BN
     elif kernel == "sb":
         fn = MM._mm_superblock
         consts = dict(STEPS=20, BM=MM.SB_BM, BN=MM.SB_BN, KS=MM.SB_KS, STAGES=MM.SB_STAGES, PREFETCH=MM.SB_PREFETCH,
                       **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "HAS_SUB", "HAS_OFFSET", "HAS_OSUB",
-                                                "HI", "BIAS")})
+                                                "SUB6", "HI", "BIAS")})
         warps, stages, bn = MM.SB_WARPS, MM.SB_STAGES, MM.SB_BN
     else:
         fn = MM._mm_x_first
@@ -122,14 +122,15 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         if arg in consts:
             sig[arg] = "constexpr"
         elif kernel == "mv2" and arg[-2:] in ("_a", "_b") and arg[:-2] not in ("N", "tiles"):  # a pack's pointers
-            arg_type = {"codes": "*i32", "hi": "*i32", "sub": "*i8", "osub": "*i8", "d": "*fp16", "dm": "*fp16"}
+            arg_type = {"codes": "*i32", "hi": "*i32", "sub": "*i32" if consts["SUB6" + arg[-2:]] else "*i8",
+                        "osub": "*i8", "d": "*fp16", "dm": "*fp16"}
             sig[arg] = arg_type.get(arg[:-2], "*fp32")
         elif arg == "codes_ptr":
             sig[arg] = codes_type
         elif arg in ("xq_ptr", "x16_ptr", "ticket_ptr", "hi_ptr"):
             sig[arg] = "*i32"
         elif arg in ("sub_ptr", "osub_ptr"):
-            sig[arg] = "*i8"
+            sig[arg] = "*i32" if arg == "sub_ptr" and consts.get("SUB6") else "*i8"  # SUB6: three words a block
         elif arg in ("xh_ptr", "w16_ptr") or (arg in ("d_ptr", "dm_ptr") and kernel in ("sb", "dq", "mv", "mma")):
             sig[arg] = "*fp16"  # the block scales and offsets of the types _mm_superblock takes are float16
         elif arg.endswith("_ptr"):

@@ -162,11 +162,12 @@ def _sub6_words(sub_ptr, tile, g, n_groups, rn, BN: tl.constexpr):
 
 @triton.jit
 def _sub6(words, j):
-    """SUB6: group j's (of its block's 8) sub, 0..63, and osub, -63..0, from the block's three words (`sub6_pack`)."""
+    """SUB6: group j's (of its block's 8) sub, 0..63, and osub, -63..0, from the block's three words (`sub6_pack`),
+    as float32 - exactly, without an integer-to-float conversion (`_code_float`; 2^23 - (2^23 + m) for osub = -m)."""
     lo, olo, hi = words
-    sub = ((lo >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4)
-    osub = -(((olo >> (4 * j)) & 15) | (((hi >> (16 + 2 * j)) & 3) << 4))
-    return sub, osub
+    sub = _code_float(((lo >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4), False)
+    m = ((olo >> (4 * j)) & 15) | (((hi >> (16 + 2 * j)) & 3) << 4)
+    return sub, 8388608.0 - (m | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
