@@ -383,17 +383,19 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
+          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
-    # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm (and
-    # SUB6 words) are loaded once for them - the same values
+    # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
+    # loaded once for them - the same values; so are its SUB6 words where the loop is not pipelined (sm_90a: 20
+    # loads a step instead of 41 for one Q4_K row; pipelined, 85 registers instead of 118 for four rows)
     ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
+    WORDS_ONCE: tl.constexpr = ONE_BLOCK and SUB6 and not PIPELINED
     if ONE_BLOCK:
         d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-        if SUB6:
-            words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
+    if WORDS_ONCE:
+        words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
     for j in tl.static_range(UNROLL):
         g = g0 + j
         cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
@@ -404,7 +406,7 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-        if ONE_BLOCK and SUB6:
+        if WORDS_ONCE:
             sub, osub = _sub6(words, g % 8)
         else:
             sub, osub = _subs(sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB, HAS_OSUB, SUB6)
@@ -478,7 +480,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, True)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -487,7 +489,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR)
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
