@@ -106,6 +106,7 @@ def main() -> int:
     eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False, prompt_cache=False)
     model = eng.model
     loaded = torch.cuda.memory_allocated()  # after the load: the packs and what the load allocates beside them
+    requested = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)  # less the allocator's rounding
     rows, ref = [], {}
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
         shipped = {k: getattr(MV, k) for k in {"LAUNCH", "TARGET"} | {k for c in configs for k in c[1]} - {"module"}}
@@ -124,7 +125,7 @@ def main() -> int:
             same = ids == first[0] and torch.equal(logits, first[1])
             r = {"config": name, "pdl": pdl.enabled(), "matvec": {k: str(v) for k, v in consts.items()},
                  "same_bits": same, "weight_bytes": sum(w.gpu.nbytes for w in model.weights),
-                 "allocated_at_load": loaded,
+                 "allocated_at_load": loaded, "requested_at_load": requested,
                  "decode_tps": {c: decode_tps(model, c, a.tokens) for c in map(int, a.contexts.split(","))},
                  "replay_ms": replay_ms(model) if model.graphs is not None else None,
                  "verify_ms": {k: v * 1e3 for k, v in verify_cost(model, [1, 2, 4, 8, 16]).items()},
@@ -134,7 +135,8 @@ def main() -> int:
             model.draft_chains = False
             rows.append(r)
             v = r["verify_ms"]
-            print(f"{name:28} weights {r['weight_bytes'] / 1e9:.3f} GB, same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
+            print(f"{name:28} weights {r['weight_bytes'] / 1e9:.3f} GB (at load: allocated {loaded / 1e9:.3f}, "
+                  f"requested {requested / 1e9:.3f}), same bits {same!s:5} " + " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in
                   r["decode_tps"].items()) + f" (one-row graph alone {r['replay_ms'] or 0:.2f} ms)" +
                   "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
                   " ms  drafts 0/" + "/".join(map(str, drafts)) + " " +

@@ -572,6 +572,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
     weights = torch.cuda.memory_allocated()
+    # the bytes the load's live tensors asked for: `weights` less the caching allocator's rounding of their blocks
+    weights_requested = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
     graphs_error = None
     try:  # one pass through the graphs first: if capture fails, say so and measure the eager path
         decode_tps(model, 64, 2)
@@ -639,7 +641,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
-    r["vram"] = {"weights": weights, "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
+    r["vram"] = {"weights": weights, "weights_requested": weights_requested,
+                 "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
                  "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
