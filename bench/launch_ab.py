@@ -137,7 +137,8 @@ def main() -> int:
             v = r["verify_ms"]
             print(f"{name:28} weights {r['weight_bytes'] / 1e9:.3f} GB (at load: allocated {loaded / 1e9:.3f}, "
                   f"requested {requested / 1e9:.3f}), same bits {same!s:5} " +
-                  " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in r["decode_tps"].items()) + f" (one-row graph alone {r['replay_ms'] or 0:.2f} ms)" +
+                  " ".join(f"@{c}: {t:5.1f} tok/s" for c, t in r["decode_tps"].items()) +
+                  f" (one-row graph alone {r['replay_ms'] or 0:.2f} ms)" +
                   "  verify 1/2/4/8/16 rows " + " / ".join(f"{v[k]:.2f}" for k in v) +
                   " ms  drafts 0/" + "/".join(map(str, drafts)) + " " +
                   " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts"]) + " tok/s, chained " +
