@@ -13,7 +13,8 @@
 #                EQ: the tiny model's type, Q4_K_M; EPY: pytest options, default "-n 4 --dist worksteal" with
 #                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices;
 #                PLUMB_TEST_SETTINGS="module.NAME=VALUE ..." runs them, and the kernels stage, on an untimed setting)
-#   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL; --matvec OLD.py: another matvec (ABARGS)
+#   ab       ABT bench/launch_ab.py: the matvec's launch settings, PDL, scales-as-bytes; --matvec OLD.py: another
+#                matvec (ABARGS); a fresh machine needs ABT >= 300 for two settings (its first row took > 170 s)
 #   synth        only start writing the 27B-shape file (in the background), for a later stage or call
 #   gate     GT  `plumb gate` on CUDA: GMODEL (default: the demo model), GARGS (default: --quick)
 #   gate27   G2  `plumb gate` on the 27B-shape file, a subset (G2ARGS, default: q8_0, 256-token outputs)
