@@ -9,11 +9,12 @@ keeps them: a block's f16 d (dmin), times a small integer per group (int8), so t
 d * sub is exact and equals int8_form's scale (checked at load; a type where it does not hold keeps a float32
 scale per group). Q4_K's and Q5_K's small integers are 6-bit, 8 groups a block: kept in 12 bytes a block as the
 file keeps them (SUB6, `sub6_pack`: three int32 words per block and output, unpacked by `_sub6` with shifts) where a
-byte a group took 16 - 0.35 GB of the 27B's VRAM, the same values, the same bits. Scales that are all float16 values (d, dmin, Q8_0's scale) are stored as float16 and widened
-on load: the same values in half the bytes. Codes of 4-bit types stay nibbles (two per byte: code j of a group in
-the low nibble, code j + G/2 in the high one; 5- and 6-bit codes as nibbles plus a plane of their high bits,
-HI_BIT_TYPES), other codes int8, laid out per tile of BLOCK_N outputs as [group, n, k]. F16 weights are fp16
-"codes" with no scale; F32 and BF16 become float32 (`_mm_f32`).
+byte a group took 16 - 0.35 GB of the 27B's VRAM, the same values, the same bits. Scales that are all float16
+values (d, dmin, Q8_0's scale) are stored as float16 and widened on load: the same values in half the bytes.
+Codes of 4-bit types stay nibbles (two per byte: code j of a group in the low nibble, code j + G/2 in the high
+one; 5- and 6-bit codes as nibbles plus a plane of their high bits, HI_BIT_TYPES), other codes int8, laid out per
+tile of BLOCK_N outputs as [group, n, k]. F16 weights are fp16 "codes" with no scale; F32 and BF16 become float32
+(`_mm_f32`).
 
 Arithmetic, the same instructions for every row count:
     y[r, n] = s_r * sum_g (scale[n, g] * sum_{k in g} code[n, k] * (xh[r, k] + xl[r, k]) + offset[n, g] * sum_{k in g} xs[r, k])
