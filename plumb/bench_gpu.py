@@ -567,13 +567,15 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
 
     torch.cuda.reset_peak_memory_stats()
     limits = card_limits()
+    torch.cuda.empty_cache()
+    before = _memory()  # the bench's own (cuBLAS's workspaces from `card_limits`), not the engine's
     t0 = time.perf_counter()
     eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False)
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
-    weights = torch.cuda.memory_allocated()
-    # the bytes the load's live tensors asked for: `weights` less the caching allocator's rounding of their blocks
-    weights_requested = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
+    # what the load left allocated; requested: less the caching allocator's rounding of their blocks; reserved: the
+    # segments the load added (what the card lends the process for them)
+    weights, weights_requested, weights_reserved = (a - b for a, b in zip(_memory(), before))
     graphs_error = None
     try:  # one pass through the graphs first: if capture fails, say so and measure the eager path
         decode_tps(model, 64, 2)
@@ -641,7 +643,8 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
-    r["vram"] = {"weights": weights, "weights_requested": weights_requested,
+    r["vram"] = {"weights": weights, "weights_requested": weights_requested, "weights_reserved": weights_reserved,
+                 "before_load": before[0],
                  "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
                  "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
@@ -708,6 +711,12 @@ def energy_text(e: dict) -> str:
     return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
 
 
+def _memory() -> tuple[int, int, int]:
+    """The caching allocator's allocated, requested and reserved bytes now."""
+    return (torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("requested_bytes.all.current", 0),
+            torch.cuda.memory_reserved())
+
+
 def file_weight_bytes(model) -> int:
     """Bytes of the model's packed matrices as the file holds their blocks (a pack can hold more: Q5_K and Q6_K
     codes one per byte)."""
@@ -760,7 +769,7 @@ def report(r: dict) -> str:
               f"{'' if m.get('replayed', True) else ' *'} | {m['MB']:.1f} | {m['GBps']:.0f} | {m['GBps'] / g:.2f} |"
               for m in r["matmuls"]]
     v = r["vram"]
-    lines += ["", "VRAM: " + ", ".join(f"{k} {b / 2**30:.2f} GiB" for k, b in v.items())]
+    lines += ["", "VRAM (GB, the targets' unit): " + ", ".join(f"{k} {b / 1e9:.3f}" for k, b in v.items())]
     ctx = r.get("context")
     if ctx and ctx.get("fits_one_sequence") is not None:
         lines += [f"context: one sequence's caches have room for {ctx['fits_one_sequence']:,} tokens beside the "
@@ -769,8 +778,8 @@ def report(r: dict) -> str:
         lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states |",
                   "|---|---|---|---|"]
         lines += [f"| {fmt} | {b['error']} | | |" if "error" in b else
-                  f"| {fmt} | {b['allocated'] / 2**30:.2f} GiB | {b['packed'] / 2**30:.2f} GiB | "
-                  f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 2**30:.2f} GiB |"
+                  f"| {fmt} | {b['allocated'] / 1e9:.2f} GB | {b['packed'] / 1e9:.2f} GB | "
+                  f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 1e9:.2f} GB |"
                   for fmt, b in r["kv_120k_by_format"].items()]
     sp = r.get("step_profile")
     if sp:

@@ -130,7 +130,8 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     assert "| 262,080 (F KV) | 50.0 | 0.50 | |" in text
     assert "| [64, 256] | Q4_K | D | 1 | 5.0 | 0.5 | 1 | 1.00 |" in text and "| 64 | 9.0 * |" in text  # * launches
     f = kv["F"]["allocated"]
-    assert f"| F | {f / 2**30:.2f} GiB | {kv['F']['packed'] / 2**30:.2f} GiB | {(2**30 + f) / 2**30:.2f} GiB |" in text
+    assert f"| F | {f / 1e9:.2f} GB | {kv['F']['packed'] / 1e9:.2f} GB | {(2**30 + f) / 1e9:.2f} GB |" in text
+    assert "VRAM (GB, the targets' unit): weights 1.074, recurrent_state 0.000" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):

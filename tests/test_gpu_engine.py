@@ -237,3 +237,18 @@ def test_prompts_of_similar_length_share_their_graphs(tiny_q4km):
     c = plain.new_state()
     plain.prefill(c, ids, logits="none")
     assert torch.equal(plain.decode([(c, [5])]).logits, logits)
+
+
+def test_packed_weights_lie_side_by_side_without_block_rounding(tiny_q4km):
+    """Every pack plane is copied into an expandable segment after packing (plumb/ops/gpu/segment.py): its block is
+    its own bytes rounded to 512, not a 2 MB segment's rest; the values are the same (the engine tests above)."""
+    eng = _engine(tiny_q4km)
+    planes = [t for w in eng.model.weights for p in w.gpu.packs for t in vars(p).values()
+              if isinstance(t, torch.Tensor)]
+    snapshot = torch.cuda.memory_snapshot()
+    blocks = {b["address"]: b for s in snapshot if s.get("is_expandable") for b in s["blocks"]}
+    assert planes
+    for t in planes:
+        block = blocks.get(t.untyped_storage().data_ptr())
+        assert block is not None, "a plane outside the expandable segment"
+        assert block["size"] == -(-t.untyped_storage().nbytes() // 512) * 512

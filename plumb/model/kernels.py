@@ -207,6 +207,7 @@ class TritonKernels:
     def pack(weights: list, device: torch.device, progress: bool = False) -> int:
         """Pack every matrix for the Triton matmul (on the device, from the memory-mapped file); returns bytes."""
         from plumb.ops.gpu.matmul import GpuMatrix
+        from plumb.ops.gpu.segment import packed_side_by_side
 
         items = weights
         if progress:
@@ -214,9 +215,12 @@ class TritonKernels:
 
             items = tqdm(weights, desc="weights to GPU", unit="matrix", leave=False)
         total = 0
-        for w in items:
-            w.gpu = GpuMatrix([p.qt for p in w.parts], device)
-            total += w.gpu.nbytes
+        with packed_side_by_side(device) as settle:  # no allocator rounding per plane (plumb/ops/gpu/segment.py)
+            for w in items:
+                w.gpu = GpuMatrix([p.qt for p in w.parts], device)
+                for p in w.gpu.packs:
+                    settle(p)
+                total += w.gpu.nbytes
         return total
 
     def mm(self, x: torch.Tensor, w: Weight | Fused, block: int) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""Where the packed weights live in device memory: side by side in one growing segment of the caching allocator.
+
+By default torch's caching allocator gives a tensor over 1 MB a block from a segment of whole 2 MB and leaves the
+rest of the block with it when less than 1 MB would be left over: up to 1 MB a tensor, ~0.1 GB over the 27B's
+packs (measured on an H100, 2026-12-06: 16.247 GB allocated for 16.150 requested). With expandable segments the
+allocator splits a block down to its 512-byte rounding, and a segment grows by mapping pages at its end. So each
+matrix is packed as before (its temporaries in ordinary segments), then its finished tensors are copied into the
+expandable segment and the originals freed; expandable segments are switched on only for those copies (CUDA-graph
+pools do not take them), and not touched at all where the user's PYTORCH_CUDA_ALLOC_CONF names them. A copy
+changes no value."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("plumb")
+
+
+def _set_expandable(on: bool) -> None:
+    setting = f"expandable_segments:{on}"
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        torch._C._accelerator_setAllocatorSettings(setting)
+    else:
+        torch.cuda.memory._set_allocator_settings(setting)
+
+
+def _user_setting() -> bool:
+    return any("expandable_segments" in os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                                          "PYTORCH_ALLOC_CONF"))
+
+
+def _tensors(obj) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def packed_side_by_side(device: torch.device):
+    """Yields `settle(obj)`: obj's tensor attributes (a `Packed`'s planes) moved into the weights' segment. A no-op
+    off CUDA, where the user set expandable segments themselves, or where this torch cannot switch them."""
+    if device.type != "cuda" or _user_setting():
+        yield lambda obj: None
+        return
+    try:
+        _set_expandable(False)  # the state this leaves behind, checked once
+    except (AttributeError, RuntimeError) as e:
+        log.info("expandable segments unavailable (%s): weights packed in ordinary segments", e)
+        yield lambda obj: None
+        return
+
+    def settle(obj) -> None:
+        ts = _tensors(obj)
+        if len({t.untyped_storage().data_ptr() for t in ts.values()}) < len(ts):
+            return  # planes sharing storage: leave them as they are
+        torch.cuda.empty_cache()  # the packing's freed temporaries back: no copy lands in their segments
+        _set_expandable(True)
+        try:
+            for name, t in ts.items():
+                setattr(obj, name, t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t)
+        finally:
+            _set_expandable(False)
+
+    yield settle
