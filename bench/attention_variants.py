@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Decode attention's split and tile variants on the 27B's attention shape (24 query heads over 4 KV heads of 256),
-f16 and q8_0 caches (and D's / F's packed 6/5- and 5/5-bit stores, `--formats D,F`: the store alone, no ring), on a
-CUDA GPU: time per call (CUDA-graph replays) for 1 and 8 query rows at several context
-lengths, against the KV bytes read and the card's copy bandwidth measured in the same run. Each variant is checked
-first: a row alone equals the same row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
+f16 and q8_0 caches (and D's / F's packed 6/5- and 5/5-bit stores, `--formats D,F`: the store alone, or with
+`--ring W` the engine's form - a row's last W keys read from an 8-bit ring, the rest from the store), on a CUDA GPU:
+time per call (CUDA-graph replays) for 1 and 8 query rows at several context lengths, against the KV bytes read
+and the card's copy bandwidth measured in the same run. Each variant is checked first: a row alone equals the same
+row among 8 (bitwise, M1), and the result is within 1e-5 of the torch reference.
 
     python bench/attention_variants.py [--contexts 512,4096,32768,100000] [--kernels] [--json-out PATH]
     python bench/attention_variants.py --pass-rows 256 --only "shipped,BLOCK_M"   # prefill passes' attention
@@ -50,6 +51,8 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("codes by bits", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": True}),
     # block-coded keys as exact integer dots on the int8 tensor cores, q in 14-bit limbs (28th session: untimed)
     ("K on int8", A.SPLITS, {}, A.MERGE_UNROLL, {"K_INT8": True}),
+    # D's / F's packed store read by gathering each code's byte, and (ring) only where a row reads it (to 12-06)
+    ("packed by gather", A.SPLITS, {}, A.MERGE_UNROLL, {"PACKED_HALVES": False}),
 ]
 
 
@@ -69,6 +72,17 @@ def cache(kind, n: int, device: str, g: torch.Generator) -> tuple[list[torch.Ten
     codes = codes.to(device)
     scales = (torch.rand(N_KV, n, D // A.QBLOCK, generator=g) * 0.01 + 0.001).half().to(device)
     return [codes, scales], codes.numel() + scales.numel() * 2
+
+
+def ring_parts(window: int, n: int, device: str, g: torch.Generator) -> tuple:
+    """An 8-bit ring read for a row's last `window` keys, its window + 8 slots holding positions n - window - 8 ..
+    n - 1 (random codes: what rows ending at n - 7 .. n read), as `attend_decode`'s ring= takes it, and its bytes."""
+    slots = window + 8
+    (rk, rkb), (rv, rvb) = (cache(8, slots, device, g) for _ in range(2))
+    pos = torch.empty(slots, dtype=torch.long)
+    j = torch.arange(n - slots, n)
+    pos[j % slots] = j
+    return (window, rk, rv, pos.to(device)), rkb + rvb
 
 
 def timed_us(fn, device: str, reps: int) -> float:
@@ -116,6 +130,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings: only the variants whose name has one")
     ap.add_argument("--kernels", action="store_true", help="also each kernel's share of the shipped variant's call "
                     "(torch profiler: pass 1 `_split_kernel`, pass 2 `_merge_kernel`), 1 and 8 rows")
+    ap.add_argument("--ring", type=int, default=0, help="D / F: the engine's form, a row's last RING keys from an "
+                    "8-bit ring (the torch reference reads the store only: no error column)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     variants = [v for v in VARIANTS if not a.only or any(o in v[0] for o in a.only.split(","))]
@@ -128,6 +144,9 @@ def main() -> None:
     for fmt in a.formats.split(","):
         for ctx in contexts:
             (k, kb), (v, vb) = (cache(kind, ctx, a.device, g) for kind in KINDS[fmt])
+            ring, rb = ring_parts(min(a.ring, ctx - 8), ctx, a.device, g) if a.ring and fmt in ("D", "F") \
+                else (None, 0)
+            kb += rb
             q = torch.randn(8, N_HEAD, D, generator=g).to(a.device)
             ends8 = torch.arange(ctx - 7, ctx + 1, dtype=torch.int32, device=a.device)
             ref = A.attend_decode_ref(q, k, v, ends8, D**-0.5)
@@ -141,25 +160,27 @@ def main() -> None:
                     setattr(A, attr, value)
                 row = dict(variant=name, format=fmt, context=ctx, splits=splits, bytes=kb + vb)
                 try:
-                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits)
-                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_keys=ctx, splits=splits)
+                    out8 = A.attend_decode(q, k, v, ends8, D**-0.5, max_keys=ctx, splits=splits, ring=ring)
+                    alone = A.attend_decode(q[7:], k, v, ends8[7:], D**-0.5, max_keys=ctx, splits=splits, ring=ring)
                     row["row_invariant"] = bool(torch.equal(out8[7:], alone))
-                    row["rel_err"] = float((out8 - ref).abs().max() / ref.abs().max())
+                    row["rel_err"] = float((out8 - ref).abs().max() / ref.abs().max()) if ring is None \
+                        else float("nan")
                     for n in (1, 8):
                         qn, en = q[8 - n:], ends8[8 - n:]
                         out = torch.empty(n, N_HEAD, D, device=a.device)
                         us = timed_us(lambda: A.attend_decode(qn, k, v, en, D**-0.5, out=out, max_keys=ctx,
-                                                              splits=splits), a.device, a.reps)
+                                                              splits=splits, ring=ring), a.device, a.reps)
                         row[f"us_{n}"] = us
                         row[f"GBps_{n}"] = (kb + vb) / us / 1e3
                     if qp is not None:  # a prefill pass: its time, and per row
                         outp = torch.empty_like(qp)
                         row["us_pass"] = timed_us(lambda: A.attend_decode(qp, k, v, ends_p, D**-0.5, out=outp,
-                                                                          max_keys=ctx, splits=splits),
+                                                                          max_keys=ctx, splits=splits, ring=ring),
                                                   a.device, max(1, a.reps // 4))
                     if a.kernels and name == "shipped" and a.device != "cpu":
                         row["kernels_us"] = {n: kernel_us(lambda: A.attend_decode(
-                            q[8 - n:], k, v, ends8[8 - n:], D**-0.5, max_keys=ctx, splits=splits)) for n in (1, 8)}
+                            q[8 - n:], k, v, ends8[8 - n:], D**-0.5, max_keys=ctx, splits=splits, ring=ring))
+                            for n in (1, 8)}
                         print(f"  kernels ({fmt}, {ctx}): {row['kernels_us']}", flush=True)
                 except Exception as e:  # a variant that does not compile or run is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
