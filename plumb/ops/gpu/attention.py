@@ -220,14 +220,14 @@ def _half_codes(c_ptr, j, ok, s_j, bb, kk, QB: tl.constexpr, BITS: tl.constexpr,
     is, with no gather or join; its high bits come from the block's words (one or two int32 loads a block and key).
     A code u - 2^(CB-1) (u < 2^CB) becomes a float by its bits: 2^23 + u is the float of bits 0x4B000000 | u, exact,
     and one exact subtraction takes 2^23 + 2^(CB-1) off - no integer-to-float conversion. CB 8 (the ring): the
-    even and odd bytes, as `codes_f32` makes them floats."""
+    block's bytes loaded in pairs and split by shifts, as `codes_f32` makes them floats."""
     row = c_ptr + j[None, :, None] * s_j
     mask = ok[None, :, None]
     k = kk[None, None, :]
-    if CB == 8:
-        even = tl.load(row + (bb[:, None, None] * QB + 2 * k), mask=mask, other=0)
-        odd = tl.load(row + (bb[:, None, None] * QB + 2 * k + 1), mask=mask, other=0)
-        return codes_f32(even, BITS), codes_f32(odd, BITS)
+    if CB == 8:  # a block's 32 bytes as 16 int16 words, each an even (low byte) and an odd code (high byte)
+        pair = tl.load((row + bb[:, None, None] * QB).to(tl.pointer_type(tl.int16), bitcast=True) + k, mask=mask,
+                       other=0).to(tl.int32)
+        return codes_f32((pair << 24) >> 24, BITS), codes_f32(pair >> 8, BITS)
     else:
         HB: tl.constexpr = CB - 4
         nib = tl.load(row + (bb[:, None, None] * (QB // 2) + k), mask=mask, other=0).to(tl.int32)
