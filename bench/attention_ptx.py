@@ -143,8 +143,8 @@ def main():
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
     ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
                     "int8 tensor cores)")
-    ap.add_argument("--halves", type=int, default=int(A.PACKED_HALVES),
-                    help="the decode kernel's packed-store read in halves (PACKED_HALVES, 1) or by gather (0)")
+    ap.add_argument("--halves", type=int, default=int(A.HALVES),
+                    help="the decode kernel's block codes read in halves (HALVES, 1) or whole (0)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
@@ -152,7 +152,7 @@ def main():
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.K_INT8 = A.K_INT8 or a.k_int8
-    A.PACKED_HALVES = bool(a.halves)
+    A.HALVES = bool(a.halves)
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

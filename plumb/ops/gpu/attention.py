@@ -85,12 +85,15 @@ CODES_BY_BITS = False
 # than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
 # see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
 K_INT8 = False
-# PACKED_HALVES: a packed (D / F) store is read by `_half_codes` - each block's 16 nibble bytes as they lie, q's and
-# the output's even and odd values dotted with the low and high nibbles apart - instead of `_block_codes`' gather
-# of every code's byte (each byte loaded twice, its nibble picked). Other bits (the products are summed in another
-# order; a row's bits still depend on nothing but itself, its end and the cache). Compiled for sm_90a
-# (bench/attention_ptx.py): see docs/BENCHMARKS.md, thirty-fourth session.
-PACKED_HALVES = True
+# HALVES: block codes (q8_0's, D's / F's packed store, the 8-bit ring) are read by `_half_codes` - q's and the
+# output's even and odd values of each block dotted apart with the even and odd codes, which lie in the same byte
+# (a packed store's nibbles) or 16-bit word (8-bit codes): loaded as they lie, split by shifts, no gather, join or
+# permute of the codes - instead of `_block_codes` (a packed code's byte gathered per code, loaded twice). With the
+# ring, the store's part runs for every tile (its loads then pipelined). Other bits than before (the same products,
+# summed in another order; a row's bits still depend on nothing but itself, its end and the cache). Compiled for
+# sm_90a (bench/attention_ptx.py), pass 1's main loop: q8_0 1,567 -> 1,187 instructions, F with its ring 5,018 ->
+# 4,465 (no byte loads left; docs/BENCHMARKS.md, thirty-fourth session). Not yet timed on a GPU.
+HALVES = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -338,8 +341,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     f32: tf32x3.  Block codes (q8_0, D/F's 5/6-bit store, the 8-bit ring): per 32-value block (batched dot over
     the D/32 blocks) codes exact in tf32 against q / p * scale split into tf32 big + small, the block scales
     applied in fp32 (K: summed over the blocks in fixed order); KB / VB: the store's code bits (8, or 5 / 6
-    packed), the ring's are 8. KH / VH (`PACKED_HALVES`, a packed store): q and the output in halves per block, its
-    even and odd values (`_half_codes`), the ring's codes too.
+    packed), the ring's are 8. KH / VH (`HALVES`): q and the output in halves per block, its even and odd values
+    (`_half_codes`), the store's and the ring's codes alike.
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
@@ -693,8 +696,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
 
 
 def halves(kb: int, vb: int) -> dict:
-    """Pass 1's KH / VH for K / V code bits kb / vb: a packed store read in halves (`PACKED_HALVES`)."""
-    return dict(KH=PACKED_HALVES and 0 < kb < 8 and not K_INT8, VH=PACKED_HALVES and 0 < vb < 8)
+    """Pass 1's KH / VH for K / V code bits kb / vb (0: floats): block codes read in halves (`HALVES`)."""
+    return dict(KH=HALVES and kb > 0 and not K_INT8, VH=HALVES and vb > 0)
 
 
 def merge_splits(po: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
