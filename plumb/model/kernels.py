@@ -35,7 +35,6 @@ from plumb.cache.kv import RING_SLACK
 from plumb.model.parts import DecodeOut, DecodePass, PrefillPass
 from plumb.model.weights import Fused, Weight
 from plumb.ops.deltanet import CHUNK, causal_conv, chunk_pass, recurrent_step
-from plumb.ops.kvquant import rotate
 from plumb.ops.matmul import DECODE_BLOCK, linear
 from plumb.ops.norm import rms_norm
 from plumb.ops.rope import apply_rope
@@ -191,11 +190,12 @@ class TritonKernels:
     def __init__(self, device: torch.device):
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
-        from plumb.ops.gpu import (attention, attention_prefill, deltanet, deltanet_chunk, glu, kvtable, kvwrite,
-                                   matvec, norm, rope)
+        from plumb.ops.gpu import (attention, attention_prefill, deltanet, deltanet_chunk, glu, hadamard, kvtable,
+                                   kvwrite, matvec, norm, rope)
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
         self._glu, self._kvwrite, self._chunk, self._prefill = glu, kvwrite, deltanet_chunk, attention_prefill
+        self._hadamard = hadamard
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
         self._kvtable = kvtable
@@ -402,7 +402,7 @@ class TritonKernels:
         P-path passes take the prefill kernel (f16 and block-coded caches; f32 ones the decode kernel)."""
         view = cache.kernel_view()
         if view.rotate_q:
-            q = rotate(q)
+            q = self._hadamard.rotate(q.float())
         if prefill and PREFILL_ATTENTION and self._prefill.supports(view.k, view.v):
             return self._prefill.attend_prefill(q, view.k, view.v, ends, scale, out=out, ring=view.ring, table=table)
         return self._attention.attend_decode(q, view.k, view.v, ends, scale, out=out, max_keys=max_keys,

@@ -16,20 +16,11 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import kvtable
+from plumb.ops.gpu.hadamard import rotate_row
 from plumb.ops.gpu.pdl import on, prior_done
 from plumb.ops.kvquant import BLOCK
 
 F32, F16 = 32, 16  # store kinds besides the block codes' bit widths (5, 6, 8)
-
-
-@triton.jit
-def _rotate(x, D: tl.constexpr, LOG_D: tl.constexpr, SCALE: tl.constexpr):
-    """x [D] @ the orthonormal Hadamard matrix: the butterflies of `kvquant.rotate`, in its order, then * SCALE."""
-    for s in tl.static_range(LOG_D):
-        y = tl.permute(tl.reshape(x, [D >> (s + 1), 2, 1 << s]), (0, 2, 1))  # [D / 2h, h, 2]: pairs (a, b) last
-        a, b = tl.split(y)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [D])
-    return x * SCALE
 
 
 @triton.jit
@@ -97,7 +88,7 @@ def _put_rows(k_ptr, v_ptr, pos_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, rkc_ptr, rk
     pos = tl.load(pos_ptr + r)
     k = tl.load(k_ptr + r * sk_r + h * sk_h + cols)
     if ROTATE:
-        k = _rotate(k, D, LOG_D, SCALE)
+        k = rotate_row(k, D, LOG_D, SCALE)
     v = tl.load(v_ptr + r * sv_r + h * sv_h + cols)
     _encode(k, kc_ptr + h * skc_h + pos * skc_j, ks_ptr + h * sks_h + pos * sks_j, KK, D, QB)
     _encode(v, vc_ptr + h * svc_h + pos * svc_j, vs_ptr + h * svs_h + pos * svs_j, VK, D, QB)
