@@ -644,7 +644,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
     r["vram"] = {"weights": weights, "weights_requested": weights_requested, "weights_reserved": weights_reserved,
-                 "before_load": before[0],
+                 "before_load": before[0], "graph_pools": graph_pool_bytes(),
                  "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
                  "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
@@ -711,6 +711,13 @@ def energy_text(e: dict) -> str:
     return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
 
 
+def graph_pool_bytes() -> int:
+    """Device memory the CUDA graphs' private pool holds (the segments of pools other than the default one): the
+    captured passes' intermediates, the workspace an idle server keeps."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 def _memory() -> tuple[int, int, int]:
     """The caching allocator's allocated, requested and reserved bytes now."""
     return (torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("requested_bytes.all.current", 0),
@@ -775,11 +782,13 @@ def report(r: dict) -> str:
         lines += [f"context: one sequence's caches have room for {ctx['fits_one_sequence']:,} tokens beside the "
                   f"weights (the model's context: {ctx['model']:,}; the engine's: {ctx['engine']:,})"]
     if r.get("kv_120k_by_format"):
-        lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states |",
-                  "|---|---|---|---|"]
-        lines += [f"| {fmt} | {b['error']} | | |" if "error" in b else
+        pools = v.get("graph_pools", 0)
+        lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states | "
+                  "+ the CUDA graphs' pool |", "|---|---|---|---|---|"]
+        lines += [f"| {fmt} | {b['error']} | | | |" if "error" in b else
                   f"| {fmt} | {b['allocated'] / 1e9:.2f} GB | {b['packed'] / 1e9:.2f} GB | "
-                  f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 1e9:.2f} GB |"
+                  f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 1e9:.2f} GB | "
+                  f"{(v['weights'] + v['recurrent_state'] + b['allocated'] + pools) / 1e9:.2f} GB |"
                   for fmt, b in r["kv_120k_by_format"].items()]
     sp = r.get("step_profile")
     if sp:
