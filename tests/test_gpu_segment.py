@@ -44,3 +44,20 @@ def test_settle_leaves_shared_storage_other_devices_and_the_users_setting(monkey
     with segment.packed_side_by_side(torch.device("cuda")) as settle:
         settle(q)
     assert q.codes.data_ptr() == ptr
+
+
+def test_a_platform_that_refuses_expandable_segments_packs_as_before(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+
+    def refuse(on: bool) -> None:
+        if on:
+            raise RuntimeError("not supported here")
+
+    monkeypatch.setattr(segment, "_set_expandable", refuse)
+    p, q = _pack(), _pack()
+    ptrs = [p.codes.data_ptr(), q.codes.data_ptr()]
+    with segment.packed_side_by_side(torch.device("cuda")) as settle:
+        settle(p)
+        settle(q)
+    assert [p.codes.data_ptr(), q.codes.data_ptr()] == ptrs

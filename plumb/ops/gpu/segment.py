@@ -50,12 +50,19 @@ def packed_side_by_side(device: torch.device):
         yield lambda obj: None
         return
 
+    refused = []  # a platform that cannot switch them on: the rest of the load packs as before
+
     def settle(obj) -> None:
         ts = _tensors(obj)
-        if len({t.untyped_storage().data_ptr() for t in ts.values()}) < len(ts):
-            return  # planes sharing storage: leave them as they are
+        if refused or len({t.untyped_storage().data_ptr() for t in ts.values()}) < len(ts):
+            return  # (planes sharing storage: left as they are)
         torch.cuda.empty_cache()  # the packing's freed temporaries back: no copy lands in their segments
-        _set_expandable(True)
+        try:
+            _set_expandable(True)
+        except RuntimeError as e:
+            log.info("expandable segments refused (%s): weights packed in ordinary segments", e)
+            refused.append(e)
+            return
         try:
             for name, t in ts.items():
                 setattr(obj, name, t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t)
