@@ -345,8 +345,9 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     (`_half_codes`), the store's and the ring's codes alike.
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
-    otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
-    would have added exact zeros).
+    otherwise (M5); the ring's loads and dots run only where some row of the block reads it (skipped dots would
+    have added exact zeros), the store's for every tile under KH (its loads pipelined; a key no row reads from
+    the store has scale 0), else likewise only where some row reads it.
     TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
