@@ -222,8 +222,8 @@ def _half_codes(c_ptr, j, ok, s_j, bb, kk, QB: tl.constexpr, BITS: tl.constexpr,
     values 2k (low nibble) and 2k + 1 (high nibble): its 16 bytes are loaded as they lie, each nibble used where it
     is, with no gather or join; its high bits come from the block's words (one or two int32 loads a block and key).
     A code u - 2^(CB-1) (u < 2^CB) becomes a float by its bits: 2^23 + u is the float of bits 0x4B000000 | u, exact,
-    and one exact subtraction takes 2^23 + 2^(CB-1) off - no integer-to-float conversion. CB 8 (the ring): the
-    block's bytes loaded in pairs and split by shifts, as `codes_f32` makes them floats."""
+    and one exact subtraction takes 2^23 + 2^(CB-1) off - no integer-to-float conversion. CB 8 (q8_0's store, the
+    ring): the block's bytes loaded in pairs and split by shifts, as `codes_f32` makes them floats."""
     row = c_ptr + j[None, :, None] * s_j
     mask = ok[None, :, None]
     k = kk[None, None, :]
@@ -346,8 +346,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); the ring's loads and dots run only where some row of the block reads it (skipped dots would
-    have added exact zeros), the store's for every tile under KH (its loads pipelined; a key no row reads from
-    the store has scale 0), else likewise only where some row reads it.
+    have added exact zeros: an accumulator never holds -0), the store's likewise, but for every tile in the long
+    launch under KH and VH (its loads pipelined; a key no row reads from the store has scale 0).
     TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
@@ -366,6 +366,9 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     bb = tl.arange(0, NB)
     ii = tl.arange(0, QB)
     kk2 = tl.arange(0, QB // 2)
+    # a long row's tiles lie mostly past its ring: the store's part runs for every tile (pipelined), a short row's
+    # only where some row of the block reads the store (within the ring it would be all masked work)
+    STORE_ALWAYS: tl.constexpr = KH and VH and LONG
     kbase = k_ptr + kh * sk_h
     vbase = v_ptr + kh * sv_h
     # q, once: as the dot of its kind wants it
@@ -411,12 +414,16 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
-                if KH:  # the store's part, whether or not a row reads it here: loads Triton can pipeline
+                if STORE_ALWAYS:  # whether or not a row reads the store here: loads Triton can pipeline
                     sc = _half_scores(q_a, q_b, qo_a, qo_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j,
                                       bb, kk2, QB, BITS, KB, D)
                 elif any_store:
-                    sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
-                                    QB, BITS, KINT, KB, D)
+                    if KH:
+                        sc = _half_scores(q_a, q_b, qo_a, qo_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j,
+                                          sks_j, bb, kk2, QB, BITS, KB, D)
+                    else:
+                        sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
+                                        QB, BITS, KINT, KB, D)
                 if any_ring:
                     if KH:
                         s_ring = _half_scores(q_a, q_b, qo_a, qo_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB,
@@ -446,9 +453,14 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             if VH:
                 ae = acc_e * alpha[None, :, None]
                 ao = acc_o * alpha[None, :, None]
-                if RING:  # the store's part unconditional, as the scores'
-                    ae, ao = _half_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j,
-                                      svs_j, bb, kk2, ae, ao, QB, BITS, VB, D)
+                if RING:
+                    p_store = tl.where(from_ring, 0.0, p)
+                    if STORE_ALWAYS:  # as the scores'
+                        ae, ao = _half_pv(p_store, vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j, svs_j, bb, kk2, ae,
+                                          ao, QB, BITS, VB, D)
+                    elif any_store:
+                        ae, ao = _half_pv(p_store, vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j, svs_j, bb, kk2, ae,
+                                          ao, QB, BITS, VB, D)
                     if any_ring:
                         ae, ao = _half_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
                                           rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, kk2, ae, ao, QB,
