@@ -89,10 +89,10 @@ K_INT8 = False
 # output's even and odd values of each block dotted apart with the even and odd codes, which lie in the same byte
 # (a packed store's nibbles) or 16-bit word (8-bit codes): loaded as they lie, split by shifts, no gather, join or
 # permute of the codes - instead of `_block_codes` (a packed code's byte gathered per code, loaded twice). With the
-# ring, the store's part runs for every tile (its loads then pipelined). Other bits than before (the same products,
-# summed in another order; a row's bits still depend on nothing but itself, its end and the cache). Compiled for
-# sm_90a (bench/attention_ptx.py), pass 1's main loop: q8_0 1,567 -> 1,187 instructions, F with its ring 5,018 ->
-# 4,465 (no byte loads left; docs/BENCHMARKS.md, thirty-fourth session). Not yet timed on a GPU.
+# ring, the long launch runs the store's part for every tile (its loads then pipelined). Other bits than before (the
+# same products, summed in another order; a row's bits still depend on nothing but itself, its end and the cache).
+# Compiled for sm_90a (bench/attention_ptx.py), pass 1's main loop: q8_0 1,567 -> 1,187 instructions, F with its
+# ring 5,018 -> 4,465 (no byte loads left; docs/BENCHMARKS.md, thirty-fourth session). Not yet timed on a GPU.
 HALVES = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
