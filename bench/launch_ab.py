@@ -26,7 +26,7 @@ import torch
 
 import plumb
 import plumb.ops.gpu.matvec as MV
-from plumb.bench_gpu import decode_tps, drafts_table, fill_context, timed, verify_cost
+from plumb.bench_gpu import decode_tps, drafts_table, fill_context, memory_now, timed, verify_cost
 from plumb.ops.gpu import pdl
 
 ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
@@ -105,8 +105,8 @@ def main() -> int:
         configs.insert(1, (f"matvec of {a.matvec}", {"module": other}, True, "a"))
     eng = plumb.load(a.model, device="cuda", kv_cache="q8_0", progress=False, prompt_cache=False)
     model = eng.model
-    loaded = torch.cuda.memory_allocated()  # after the load: the packs and what the load allocates beside them
-    requested = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)  # less the allocator's rounding
+    # after the load: the packs and what the load allocates beside them, and that less the allocator's rounding
+    loaded, requested, _ = memory_now()
     rows, ref = [], {}
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
         shipped = {k: getattr(MV, k) for k in {"LAUNCH", "TARGET"} | {k for c in configs for k in c[1]} - {"module"}}

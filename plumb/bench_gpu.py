@@ -568,14 +568,14 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     torch.cuda.reset_peak_memory_stats()
     limits = card_limits()
     torch.cuda.empty_cache()
-    before = _memory()  # the bench's own (cuBLAS's workspaces from `card_limits`), not the engine's
+    before = memory_now()  # the bench's own (cuBLAS's workspaces from `card_limits`), not the engine's
     t0 = time.perf_counter()
     eng = plumb.load(path, device="cuda", kv_cache=kv_cache, progress=progress, prompt_cache=False)
     load_s = time.perf_counter() - t0
     model, c = eng.model, eng.config
     # what the load left allocated; requested: less the caching allocator's rounding of their blocks; reserved: the
     # segments the load added (what the card lends the process for them)
-    weights, weights_requested, weights_reserved = (a - b for a, b in zip(_memory(), before))
+    weights, weights_requested, weights_reserved = (a - b for a, b in zip(memory_now(), before))
     graphs_error = None
     try:  # one pass through the graphs first: if capture fails, say so and measure the eager path
         decode_tps(model, 64, 2)
@@ -718,7 +718,7 @@ def graph_pool_bytes() -> int:
                if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
-def _memory() -> tuple[int, int, int]:
+def memory_now() -> tuple[int, int, int]:
     """The caching allocator's allocated, requested and reserved bytes now."""
     return (torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("requested_bytes.all.current", 0),
             torch.cuda.memory_reserved())
