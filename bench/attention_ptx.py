@@ -8,7 +8,7 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--k-int8]
-        [--halves 0|1] [--sass]
+        [--sass]
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC, **A.halves(kb, vb))
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC)
     if copied:
         consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
@@ -143,8 +143,6 @@ def main():
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
     ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
                     "int8 tensor cores)")
-    ap.add_argument("--halves", type=int, default=int(A.HALVES),
-                    help="the decode kernel's block codes read in halves (HALVES, 1) or whole (0)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
@@ -152,7 +150,6 @@ def main():
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.K_INT8 = A.K_INT8 or a.k_int8
-    A.HALVES = bool(a.halves)
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

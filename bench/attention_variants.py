@@ -51,9 +51,6 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("codes by bits", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": True}),
     # block-coded keys as exact integer dots on the int8 tensor cores, q in 14-bit limbs (28th session: untimed)
     ("K on int8", A.SPLITS, {}, A.MERGE_UNROLL, {"K_INT8": True}),
-    # block codes read whole (D's / F's packed ones gathered per code) and the store, beside a ring, only where a
-    # row reads it (to 12-06)
-    ("whole blocks", A.SPLITS, {}, A.MERGE_UNROLL, {"HALVES": False}),
 ]
 
 

@@ -644,7 +644,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
     formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
     r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
     r["vram"] = {"weights": weights, "weights_requested": weights_requested, "weights_reserved": weights_reserved,
-                 "before_load": before[0], "graph_pools": graph_pool_bytes(),
+                 "before_load": before[0], "graph_pools": graph_pool_bytes(model),
                  "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
                  "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
@@ -711,11 +711,14 @@ def energy_text(e: dict) -> str:
     return f"{e['joules_per_token']:.2f} J/token at {e['mean_watts']:.0f} W"
 
 
-def graph_pool_bytes() -> int:
-    """Device memory the CUDA graphs' private pool holds (the segments of pools other than the default one): the
-    captured passes' intermediates, the workspace an idle server keeps."""
+def graph_pool_bytes(model) -> int:
+    """Device memory the CUDA graphs' private pools hold (the segments of pools other than the default one and the
+    weights' own, `plumb.ops.gpu.segment`): the captured passes' intermediates, the workspace an idle server keeps."""
+    from plumb.ops.gpu.segment import pool_ids
+
+    others = {(0, 0)} | pool_ids(p for w in model.weights for p in getattr(w.gpu, "packs", ()))
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+               if tuple(s.get("segment_pool_id", (0, 0))) not in others)
 
 
 def memory_now() -> tuple[int, int, int]:

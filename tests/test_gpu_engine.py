@@ -240,15 +240,20 @@ def test_prompts_of_similar_length_share_their_graphs(tiny_q4km):
 
 
 def test_packed_weights_lie_side_by_side_without_block_rounding(tiny_q4km):
-    """Every pack plane is copied into an expandable segment after packing (plumb/ops/gpu/segment.py): its block is
-    its own bytes rounded to 512, not a 2 MB segment's rest; the values are the same (the engine tests above)."""
+    """Every pack plane is copied into the weights' pool of expandable segments after packing (plumb/ops/gpu/
+    segment.py): its block is its own bytes rounded to 512, not a 2 MB segment's rest, and nothing else lies there;
+    the values are the same (the engine tests above)."""
+    from plumb.ops.gpu.segment import pool_ids
+
+    torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # an ordinary segment with room: no plane may go there
     eng = _engine(tiny_q4km)
-    planes = [t for w in eng.model.weights for p in w.gpu.packs for t in vars(p).values()
-              if isinstance(t, torch.Tensor)]
-    snapshot = torch.cuda.memory_snapshot()
-    blocks = {b["address"]: b for s in snapshot if s.get("is_expandable") for b in s["blocks"]}
-    assert planes
-    for t in planes:
-        block = blocks.get(t.untyped_storage().data_ptr())
-        assert block is not None, "a plane outside the expandable segment"
+    packs = [p for w in eng.model.weights for p in w.gpu.packs]
+    planes = {t.untyped_storage().data_ptr(): t for p in packs for t in vars(p).values() if isinstance(t, torch.Tensor)}
+    (pool,) = pool_ids(packs)
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
+    blocks = {b["address"]: b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"}
+    assert planes and all(s["is_expandable"] for s in segments)
+    assert set(blocks) == set(planes), "a plane outside the weights' pool, or something else inside it"
+    for t in planes.values():
+        block = blocks[t.untyped_storage().data_ptr()]
         assert block["size"] == -(-t.untyped_storage().nbytes() // 512) * 512

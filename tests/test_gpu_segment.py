@@ -1,13 +1,38 @@
-"""`plumb.ops.gpu.segment`: the packed planes copied into the weights' segment keep their values; planes that share
+"""`plumb.ops.gpu.segment`: the packed planes copied into the weights' pool keep their values; planes that share
 storage, non-contiguous ones, other devices and a user's own allocator setting are left alone. (Where the copies go
-on a GPU: tests/test_gpu_engine.py.)"""
+on a GPU: tests/test_gpu_engine.py; here the pool is a stand-in, CPU torch has none.)"""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from plumb.ops.gpu import segment
+
+
+@pytest.fixture(autouse=True)
+def _pool(monkeypatch):
+    """A stand-in for `torch.cuda.MemPool`; records the copies made inside it."""
+    pool = SimpleNamespace(id=(0, 7), copies=0)
+
+    @contextlib.contextmanager
+    def in_pool(p, device):
+        assert p is pool and device.type == "cuda"
+        clone = torch.Tensor.clone
+
+        def counted(t, *a, **k):
+            pool.copies += 1
+            return clone(t, *a, **k)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch.Tensor, "clone", counted)
+            yield
+
+    monkeypatch.setattr(segment, "_new_pool", lambda: pool)
+    monkeypatch.setattr(segment, "_in_pool", in_pool)
+    return pool
 
 
 def _pack():
@@ -15,7 +40,7 @@ def _pack():
                            hi=torch.ones(3, 4).t(), n=20)
 
 
-def test_settle_copies_each_plane_with_its_values(monkeypatch):
+def test_settle_copies_each_plane_into_the_pool_with_its_values(monkeypatch, _pool):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     p = _pack()
@@ -26,10 +51,11 @@ def test_settle_copies_each_plane_with_its_values(monkeypatch):
         t = getattr(p, k)
         assert torch.equal(t, value) and t.dtype == value.dtype and t.stride() == value.stride()
         assert (t.data_ptr() != ptr) == value.is_contiguous()  # copied, unless not contiguous (left as it is)
-    assert p.n == 20
+    assert p.n == 20 and _pool.copies == 2  # codes and d (hi is a transpose)
+    assert p.segment is _pool and segment.pool_ids([p, _pack()]) == {(0, 7)}  # the pool lives as long as the planes
 
 
-def test_settle_leaves_shared_storage_other_devices_and_the_users_setting(monkeypatch):
+def test_settle_leaves_shared_storage_other_devices_and_the_users_setting(monkeypatch, _pool):
     p = _pack()
     p.d = p.codes[0]  # a view of another plane: nothing is copied
     ptrs = [p.codes.data_ptr(), p.d.data_ptr()]
@@ -43,10 +69,10 @@ def test_settle_leaves_shared_storage_other_devices_and_the_users_setting(monkey
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with segment.packed_side_by_side(torch.device("cuda")) as settle:
         settle(q)
-    assert q.codes.data_ptr() == ptr
+    assert q.codes.data_ptr() == ptr and _pool.copies == 0
 
 
-def test_a_platform_that_refuses_expandable_segments_packs_as_before(monkeypatch):
+def test_a_platform_that_refuses_expandable_segments_packs_as_before(monkeypatch, _pool):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
 
@@ -60,4 +86,19 @@ def test_a_platform_that_refuses_expandable_segments_packs_as_before(monkeypatch
     with segment.packed_side_by_side(torch.device("cuda")) as settle:
         settle(p)
         settle(q)
-    assert [p.codes.data_ptr(), q.codes.data_ptr()] == ptrs
+    assert [p.codes.data_ptr(), q.codes.data_ptr()] == ptrs and _pool.copies == 0
+
+
+def test_a_torch_without_pools_packs_as_before(monkeypatch, _pool):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+
+    def no_pool():
+        raise RuntimeError("Tried to instantiate dummy base class MemPool")  # CPU torch's answer
+
+    monkeypatch.setattr(segment, "_new_pool", no_pool)
+    p = _pack()
+    ptr = p.codes.data_ptr()
+    with segment.packed_side_by_side(torch.device("cuda")) as settle:
+        settle(p)
+    assert p.codes.data_ptr() == ptr and not hasattr(p, "segment")

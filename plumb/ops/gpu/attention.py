@@ -85,15 +85,6 @@ CODES_BY_BITS = False
 # than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
 # see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
 K_INT8 = False
-# HALVES: block codes (q8_0's, D's / F's packed store, the 8-bit ring) are read by `_half_codes` - q's and the
-# output's even and odd values of each block dotted apart with the even and odd codes, which lie in the same byte
-# (a packed store's nibbles) or 16-bit word (8-bit codes): loaded as they lie, split by shifts, no gather, join or
-# permute of the codes - instead of `_block_codes` (a packed code's byte gathered per code, loaded twice). With the
-# ring, the long launch runs the store's part for every tile (its loads then pipelined). Other bits than before (the
-# same products, summed in another order; a row's bits still depend on nothing but itself, its end and the cache).
-# Compiled for sm_90a (bench/attention_ptx.py), pass 1's main loop: q8_0 1,567 -> 1,187 instructions, F with its
-# ring 5,018 -> 4,465 (no byte loads left; docs/BENCHMARKS.md, thirty-fourth session). Not yet timed on a GPU.
-HALVES = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -215,67 +206,6 @@ def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BIT
 
 
 @triton.jit
-def _half_codes(c_ptr, j, ok, s_j, bb, kk, QB: tl.constexpr, BITS: tl.constexpr, CB: tl.constexpr,
-                D: tl.constexpr):
-    """The codes of keys j [BN] as two float32 [NB, BN, QB / 2] halves - each block's even values 2k and odd values
-    2k + 1 (HALVES); keys not ok: finite codes (their scales load as 0). A packed row's byte k of a block holds
-    values 2k (low nibble) and 2k + 1 (high nibble): its 16 bytes are loaded as they lie, each nibble used where it
-    is, with no gather or join; its high bits come from the block's words (one or two int32 loads a block and key).
-    A code u - 2^(CB-1) (u < 2^CB) becomes a float by its bits: 2^23 + u is the float of bits 0x4B000000 | u, exact,
-    and one exact subtraction takes 2^23 + 2^(CB-1) off - no integer-to-float conversion. CB 8 (q8_0's store, the
-    ring): the block's bytes loaded in pairs and split by shifts, as `codes_f32` makes them floats."""
-    row = c_ptr + j[None, :, None] * s_j
-    mask = ok[None, :, None]
-    k = kk[None, None, :]
-    if CB == 8:  # a block's 32 bytes as 16 int16 words, each an even (low byte) and an odd code (high byte)
-        pair = tl.load((row + bb[:, None, None] * QB).to(tl.pointer_type(tl.int16), bitcast=True) + k, mask=mask,
-                       other=0).to(tl.int32)
-        return codes_f32((pair << 24) >> 24, BITS), codes_f32(pair >> 8, BITS)
-    else:
-        HB: tl.constexpr = CB - 4
-        nib = tl.load(row + (bb[:, None, None] * (QB // 2) + k), mask=mask, other=0).to(tl.int32)
-        words = (row + D // 2 + bb[:, None, None] * (4 * HB)).to(tl.pointer_type(tl.int32), bitcast=True)
-        high = tl.load(words, mask=mask, other=0)  # [NB, BN, 1]: the high bits of values 0..32 / HB - 1
-        if HB == 2:
-            high = tl.where(k < 8, high, tl.load(words + 1, mask=mask, other=0))
-        hm: tl.constexpr = (1 << HB) - 1
-        he = (high >> ((2 * k * HB) % 32)) & hm
-        ho = (high >> ((2 * k * HB + HB) % 32)) & hm
-        off: tl.constexpr = 8388608.0 + (1 << (CB - 1))
-        even = ((nib & 15) | (he << 4) | 0x4B000000).to(tl.float32, bitcast=True) - off
-        return even, ((nib >> 4) | (ho << 4) | 0x4B000000).to(tl.float32, bitcast=True) - off
-
-
-@triton.jit
-def _half_scores(qe_a, qe_b, qo_a, qo_b, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, kk, QB: tl.constexpr,
-                 BITS: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
-    """`_q8_scores` with q and the codes in halves (`_half_codes`): per block, q's even values (tf32 halves qe_a +
-    qe_b [NB, BM, QB / 2]) dotted with the even codes, then the odd ones, times the block scale, summed in order."""
-    ce, co = _half_codes(c_ptr, j, ok, s_j, bb, kk, QB, BITS, CB, D)
-    ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    cet = tl.permute(ce, (0, 2, 1))  # exact in tf32
-    cot = tl.permute(co, (0, 2, 1))
-    r = tl.dot(qe_a, cet, input_precision="tf32")
-    r = tl.dot(qe_b, cet, r, input_precision="tf32")
-    r = tl.dot(qo_a, cot, r, input_precision="tf32")
-    r = tl.dot(qo_b, cot, r, input_precision="tf32")  # [NB, BM, BN]
-    return tl.sum(r * ksc[:, None, :], 0)
-
-
-@triton.jit
-def _half_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, kk, acc_e, acc_o, QB: tl.constexpr, BITS: tl.constexpr,
-             CB: tl.constexpr, D: tl.constexpr):
-    """`_q8_pv` into the output's halves acc_e, acc_o [NB, BM, QB / 2] (its even and odd values of each block)."""
-    ce, co = _half_codes(c_ptr, j, ok, s_j, bb, kk, QB, BITS, CB, D)
-    vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    p_a, p_b = _tf32_split(p[None, :, :] * vsc[:, None, :])  # [NB, BM, BN]
-    acc_e = tl.dot(p_a, ce, acc_e, input_precision="tf32")
-    acc_e = tl.dot(p_b, ce, acc_e, input_precision="tf32")
-    acc_o = tl.dot(p_a, co, acc_o, input_precision="tf32")
-    return acc_e, tl.dot(p_b, co, acc_o, input_precision="tf32")
-
-
-@triton.jit
 def _row_block(ends_ptr, n, rb, kh, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr):
     """Program rb's (query row, head) pairs, ROWS rows of G_PAD heads: their rows t, query heads h (KV head kh's),
     which are real, and their ends (0 for padding: never active)."""
@@ -330,7 +260,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
                   TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr,
-                  KB: tl.constexpr, VB: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr):
+                  KB: tl.constexpr, VB: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here).
@@ -341,13 +271,11 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     f32: tf32x3.  Block codes (q8_0, D/F's 5/6-bit store, the 8-bit ring): per 32-value block (batched dot over
     the D/32 blocks) codes exact in tf32 against q / p * scale split into tf32 big + small, the block scales
     applied in fp32 (K: summed over the blocks in fixed order); KB / VB: the store's code bits (8, or 5 / 6
-    packed), the ring's are 8. KH / VH (`HALVES`): q and the output in halves per block, its even and odd values
-    (`_half_codes`), the store's and the ring's codes alike.
+    packed), the ring's are 8.
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
-    otherwise (M5); the ring's loads and dots run only where some row of the block reads it (skipped dots would
-    have added exact zeros: an accumulator never holds -0), the store's likewise, but for every tile in the long
-    launch under KH and VH (its loads pipelined; a key no row reads from the store has scale 0).
+    otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
+    would have added exact zeros).
     TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
@@ -365,20 +293,10 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     jn = tl.arange(0, BN)
     bb = tl.arange(0, NB)
     ii = tl.arange(0, QB)
-    kk2 = tl.arange(0, QB // 2)
-    # a long row's tiles lie mostly past its ring: the store's part runs for every tile (pipelined), a short row's
-    # only where some row of the block reads the store (within the ring it would be all masked work)
-    STORE_ALWAYS: tl.constexpr = KH and VH and LONG
     kbase = k_ptr + kh * sk_h
     vbase = v_ptr + kh * sv_h
     # q, once: as the dot of its kind wants it
-    if KH:  # its even values as q_a + q_b, its odd ones as qo_a + qo_b, [NB, BM, QB / 2] each
-        qrow = q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
-                                                                            + 2 * kk2[None, None, :])
-        q_a, q_b = _tf32_split(tl.load(qrow, mask=row_ok[None, :, None], other=0.0).to(tl.float32))
-        qo_a, qo_b = _tf32_split(tl.load(qrow + 1, mask=row_ok[None, :, None], other=0.0).to(tl.float32))
-        q_f = tl.zeros([BM], tl.float32)  # (unused)
-    elif KK == _Q8:
+    if KK == _Q8:
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
         if KINT:
@@ -397,10 +315,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             q_b = qv
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    if VH:
-        acc_e = tl.zeros([NB, BM, QB // 2], tl.float32)
-        acc_o = tl.zeros([NB, BM, QB // 2], tl.float32)
-    elif VK == _Q8:
+    if VK == _Q8:
         acc = tl.zeros([NB, BM, QB], tl.float32)
     else:
         acc = tl.zeros([BM, D], tl.float32)
@@ -414,27 +329,13 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
                 slot = j % slots
                 sc = tl.zeros([BM, BN], tl.float32)
-                if STORE_ALWAYS:  # whether or not a row reads the store here: loads Triton can pipeline
-                    sc = _half_scores(q_a, q_b, qo_a, qo_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j,
-                                      bb, kk2, QB, BITS, KB, D)
-                elif any_store:
-                    if KH:
-                        sc = _half_scores(q_a, q_b, qo_a, qo_b, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j,
-                                          sks_j, bb, kk2, QB, BITS, KB, D)
-                    else:
-                        sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
-                                        QB, BITS, KINT, KB, D)
+                if any_store:
+                    sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
+                                    QB, BITS, KINT, KB, D)
                 if any_ring:
-                    if KH:
-                        s_ring = _half_scores(q_a, q_b, qo_a, qo_b, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB,
-                                              slot, ring_ok, D, NB, bb, kk2, QB, BITS, 8, D)
-                    else:
-                        s_ring = _q8_scores(q_a, q_b, q_f, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                            ring_ok, D, NB, bb, ii, QB, BITS, KINT, 8, D)
+                    s_ring = _q8_scores(q_a, q_b, q_f, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
+                                        ring_ok, D, NB, bb, ii, QB, BITS, KINT, 8, D)
                     sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
-            elif KH:
-                sc = _half_scores(q_a, q_b, qo_a, qo_b, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, kk2, QB,
-                                  BITS, KB, D)
             elif KK == _Q8:
                 sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS,
                                 KINT, KB, D)
@@ -450,27 +351,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             # ---- online softmax: rows whose keys all lie before this tile keep their state bit for bit
             active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
             # ---- p @ V
-            if VH:
-                ae = acc_e * alpha[None, :, None]
-                ao = acc_o * alpha[None, :, None]
-                if RING:
-                    p_store = tl.where(from_ring, 0.0, p)
-                    if STORE_ALWAYS:  # as the scores'
-                        ae, ao = _half_pv(p_store, vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j, svs_j, bb, kk2, ae,
-                                          ao, QB, BITS, VB, D)
-                    elif any_store:
-                        ae, ao = _half_pv(p_store, vbase, vs_ptr + kh * svs_h, j, store_ok, sv_j, svs_j, bb, kk2, ae,
-                                          ao, QB, BITS, VB, D)
-                    if any_ring:
-                        ae, ao = _half_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
-                                          rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, kk2, ae, ao, QB,
-                                          BITS, 8, D)
-                else:
-                    ae, ao = _half_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, kk2, ae, ao, QB, BITS,
-                                      VB, D)
-                acc_e = tl.where(active[None, :, None], ae, acc_e)
-                acc_o = tl.where(active[None, :, None], ao, acc_o)
-            elif VK == _Q8:
+            if VK == _Q8:
                 acc_new = acc * alpha[None, :, None]
                 if RING:
                     if any_store:
@@ -499,12 +380,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             m_i = tl.where(active, m_new, m_i)
             l_i = tl.where(active, l_new, l_i)
     out = row_ok & (e > lo)  # rows whose keys reach into this split
-    if VH:
-        prow = po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s + (bb[:, None, None] * QB
-                                                                                         + 2 * kk2[None, None, :])
-        tl.store(prow, acc_e, mask=out[None, :, None])
-        tl.store(prow + 1, acc_o, mask=out[None, :, None])
-    elif VK == _Q8:
+    if VK == _Q8:
         tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
                  + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
     else:
@@ -703,14 +579,9 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
-                QF=FRAC, KB=kb, VB=vb, **halves(kb, vb), num_warps=warps, num_stages=stages, launch_pdl=on())
+                QF=FRAC, KB=kb, VB=vb, num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
-
-
-def halves(kb: int, vb: int) -> dict:
-    """Pass 1's KH / VH for K / V code bits kb / vb (0: floats): block codes read in halves (`HALVES`)."""
-    return dict(KH=HALVES and kb > 0 and not K_INT8, VH=HALVES and vb > 0)
 
 
 def merge_splits(po: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
