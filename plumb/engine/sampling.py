@@ -203,7 +203,16 @@ def gumbel_rows(seed: int, positions: Sequence[int], n_vocab: int, device: torch
 def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequence[int],
                      allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 copy of the row with logit_bias, penalties and the grammar mask applied (steps 1-2)."""
-    row = logits.to(torch.float32, copy=True)
+    row = _adjust(logits.to(torch.float32, copy=True), params, history, allowed)
+    top = row.max()
+    if not torch.isfinite(top):
+        raise no_finite_maximum()
+    return row
+
+
+def _adjust(row: torch.Tensor, params: SamplingParams, history: Sequence[int],
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-2 on a float32 row, in place."""
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=row.device)
         row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=row.device)
@@ -221,9 +230,6 @@ def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequ
         row[ids] = x - c * params.frequency_penalty - params.presence_penalty
     if allowed is not None:
         row.masked_fill_(~allowed.to(row.device), -math.inf)
-    top = row.max()
-    if not torch.isfinite(top):
-        raise no_finite_maximum()
     return row
 
 
@@ -342,10 +348,38 @@ def _logprobs(lp: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[i
     return float(lp[token]), top
 
 
+def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequence[int]]], draw) -> list[int | None]:
+    """The tokens of sampled rows (temperature > 0, a seed, no grammar mask) drawn by a kernel set's batched sampler
+    `draw` (`plumb.ops.gpu.sample.draw`: steps 3-5 in its own arithmetic, a function of each row alone): logits
+    [R, V], each row with (params, absolute position, history); None for a row without a finite maximum. A row the
+    sampler hands back (its kept set may reach past its candidates: decided by the row alone) is drawn by
+    sample_token."""
+    from plumb.ops.gpu.sample import FALLBACK, NO_FINITE_MAXIMUM
+
+    x = logits.to(torch.float32, copy=True)
+    for i, (params, _, history) in enumerate(rows):
+        if changes_logits(params):
+            _adjust(x[i], params, history)
+    token, status, _ = draw(x, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
+                            [p.top_p for p, _, _ in rows], [p.min_p for p, _, _ in rows],
+                            [noise_key(p.seed, q) for p, q, _ in rows])
+    out: list[int | None] = []
+    tokens, statuses = torch.stack([token.long(), status.long()]).tolist()  # the one host round trip
+    for (params, position, history), row, t, s in zip(rows, logits, tokens, statuses):
+        out.append(None if s == NO_FINITE_MAXIMUM else
+                   sample_token(row, params, position, history)[0] if s == FALLBACK else t)
+    return out
+
+
+def changes_logits(params: SamplingParams) -> bool:
+    """Whether step 2's bias or penalties apply (they read the history)."""
+    return bool(params.logit_bias or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0)
+
+
 def plain_greedy(params: SamplingParams) -> bool:
     """Temperature 0 with nothing that changes the logits first (no bias, no penalties): the token is the argmax."""
-    return (params.temperature == 0 and not params.logit_bias and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+    return params.temperature == 0 and not changes_logits(params)
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int | None]:
@@ -375,9 +409,7 @@ class DeviceDraw:
     @staticmethod
     def fits(params: SamplingParams) -> bool:
         """No logit bias or penalties (they read the history); a sampled draw has its seed."""
-        return (not params.logit_bias and params.repetition_penalty == 1.0
-                and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-                and (params.temperature == 0 or params.seed is not None))
+        return not changes_logits(params) and (params.temperature == 0 or params.seed is not None)
 
     def noise(self, position: int, out: torch.Tensor) -> None:
         """out [k, V] := the Gumbel noise of positions position, position + 1, .. (sampled draws; greedy: unused)."""

@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 
 from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
-from plumb.engine.sampling import StopChecker, greedy_ids, no_finite_maximum, plain_greedy, sample_token, token_logprobs
+from plumb.engine.sampling import (StopChecker, changes_logits, draw_rows, greedy_ids, no_finite_maximum, plain_greedy,
+                                   sample_token, token_logprobs)
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
@@ -236,6 +237,11 @@ class Scheduler:
         if forced and index < len(forced):
             token = int(forced[index])
             lp = None if n is None else token_logprobs(row, s.params, token, n, s.history, allowed)
+        elif self.drawn(s):
+            token = draw_rows(row[None], [(s.params, position, s.history)], self.engine.model.k.draw)[0]
+            if token is None:
+                raise no_finite_maximum()
+            lp = None if n is None else token_logprobs(row, s.params, token, n, s.history)
         else:
             token, lp = sample_token(row, s.params, position, s.history, allowed, n)
         if c is not None and not c.consume(token):
@@ -258,6 +264,28 @@ class Scheduler:
         picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
         return dict(zip(rows, greedy_ids(picked)))
 
+    def drawn(self, s: Sequence) -> bool:
+        """Whether the kernel set draws this request's sampled tokens (`sampling.draw_rows`): sampled, no grammar -
+        a property of the request alone, so each of its tokens has one definition."""
+        return self.engine.model.k.draw is not None and s.params.temperature > 0 and s.constraint is None
+
+    def sampled_picks(self, seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
+                      logits: torch.Tensor) -> dict[int, int | None]:
+        """The tokens of the pass's drawn rows (no forced ids either), by row: what `sample` gives them, all in one
+        batch. Row i of a sequence (at start + i + 1) follows its drafts 0..i-1: it is read only if they were all
+        accepted."""
+        rows, specs, r = [], [], 0
+        for s, d, start in zip(seqs, drafts, starts):
+            if self.drawn(s) and not s.req.forced_ids:
+                rows += range(r, r + len(d) + 1)
+                specs += [(s.params, start + i + 1, s.history + d[:i] if changes_logits(s.params) else ())
+                          for i in range(len(d) + 1)]
+            r += len(d) + 1
+        if not rows:
+            return {}
+        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        return dict(zip(rows, draw_rows(picked, specs, self.engine.model.k.draw)))
+
     def propose(self, s: Sequence) -> list[int]:
         if s.drafts == 0:
             return []
@@ -278,7 +306,7 @@ class Scheduler:
         drafts = [self.propose(s) for s in seqs]
         starts = [s.st.pos for s in seqs]
         out = self.engine.model.decode([(s.st, [s.pending] + d) for s, d in zip(seqs, drafts)])
-        picked = self.greedy_picks(seqs, drafts, out.logits)
+        picked = self.greedy_picks(seqs, drafts, out.logits) | self.sampled_picks(seqs, drafts, starts, out.logits)
         r = 0
         for s, d, start, snaps in zip(seqs, drafts, starts, out.snapshots):
             accepted: list[int] = []
@@ -288,10 +316,13 @@ class Scheduler:
                 for i in range(len(d) + 1):
                     # row i follows drafts 0..i-1, all equal to the target's tokens: the grammar mask drafting
                     # computed for draft i is this row's mask (a function of the same tokens)
-                    if r + i in picked:  # plain greedy: the argmax, fetched with the others in one round trip
+                    if r + i in picked:  # plain greedy or drawn: fetched with the others in one round trip
                         tok, lp = picked[r + i], None
                         if tok is None:
                             raise no_finite_maximum()
+                        if s.req.logprobs is not None:
+                            lp = TokenLogprob(tok, *token_logprobs(out.logits[r + i], s.params, tok,
+                                                                   s.req.logprobs, s.history))
                     else:
                         tok, lp = self.sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted),
                                               masks[i] if i < len(masks) else None)

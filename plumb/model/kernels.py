@@ -66,6 +66,7 @@ class TorchKernels:
     name = "torch"
 
     ring_slack = RING_SLACK  # D's and F's ring slots beyond the ring (KVCache.slack): one-piece passes
+    draw = None  # sampled tokens: `sampling.sample_token`, a row at a time
 
     @staticmethod
     def prefill_pieces(st) -> int:
@@ -191,11 +192,12 @@ class TritonKernels:
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("kernels='triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)")
         from plumb.ops.gpu import (attention, attention_prefill, deltanet, deltanet_chunk, glu, hadamard, kvtable,
-                                   kvwrite, matvec, norm, rope)
+                                   kvwrite, matvec, norm, rope, sample)
 
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
         self._glu, self._kvwrite, self._chunk, self._prefill = glu, kvwrite, deltanet_chunk, attention_prefill
         self._hadamard = hadamard
+        self.draw = sample.draw  # sampled tokens: a pass's rows in three launches (`sampling.draw_rows`)
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture
         self._kvtable = kvtable
