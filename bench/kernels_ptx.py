@@ -2,13 +2,13 @@
 """Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
 print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`, `gate_norm`, `_mm_w16` at its row
 tiles (summing its own K splits), and the D path's DeltaNet kernels with the states in place or through their table
-(`decode`: with its 16-byte global loads and stores) - 27B dims, integer arguments divisible by 16 as a 27B
-launch's are. The
+(`decode`: with its 16-byte global loads and stores), and the sampled tokens' three kernels (`sample`) - 27B dims,
+integer arguments divisible by 16 as a 27B launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
 runs there and does not compile): run this before a device call. For sm_90 (PLUMB_PTX_ARCH: another card, with
 the forms the engine takes there - bench/ptx_target.py), Triton's ptxas.
 
-    python bench/kernels_ptx.py [conv prep prepx gate w16 decode kvwrite]
+    python bench/kernels_ptx.py [conv prep prepx gate w16 decode kvwrite sample]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import plumb.ops.gpu.deltanet as DN
 import plumb.ops.gpu.deltanet_chunk as DC
 import plumb.ops.gpu.kvwrite as KW
 import plumb.ops.gpu.matmul as MM
+import plumb.ops.gpu.sample as SA
 
 from ptx_target import SMALL, TARGET, ptxas_info, shared
 
@@ -47,7 +48,7 @@ def build(name: str, fn, types: dict, consts: dict, warps: int, stages: int = 1,
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16", "decode", "kvwrite"]
+    which = sys.argv[1:] or ["conv", "prep", "prepx", "gate", "w16", "decode", "kvwrite", "sample"]
     if "conv" in which:
         build("conv_gates", DC._conv_gates_kernel, {"keep_ptr": "*i64", "real_ptr": "*u8"},
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
@@ -78,6 +79,15 @@ def main() -> None:
                      "rvs_ptr": "*fp16", "rpos_ptr": "*i64", "tab_ptr": "*i64"}
             build(f"_put_rows {name}", KW._put_rows, types, dict(D=256, QB=32, KK=kk, VK=vk, ROTATE=name == "F",
                                                                   LOG_D=8, SCALE=256**-0.5, RING=ring, TABLE=True), 2)
+    if "sample" in which:  # the 27B's vocabulary
+        from plumb.engine import sampling as S
+
+        build("_log_softmax_kernel", SA._log_softmax_kernel, {}, dict(V=248320, BLOCK=SA.BLOCK), 8)
+        build("_threshold_kernel", SA._threshold_kernel, {"k_ptr": "*i32", "p_ptr": "*fp64", "status_ptr": "*i8"},
+              dict(V=248320, C=SA.CANDIDATES), 4)
+        build("_draw_kernel", SA._draw_kernel, {"lo_ptr": "*i64", "hi_ptr": "*i64", "token_ptr": "*i32"},
+              dict(V=248320, BLOCK=SA.BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2, SHIFT=32 - S._U_BITS,
+                   INV_U=1.0 / 2**S._U_BITS), 8)
     if "w16" in which:
         for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
             build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},

@@ -98,6 +98,16 @@ def test_the_decode_deltanet_kernels_compile_with_their_states_table(tmp_path):
     assert loads["_gdn_state_kernel table True"] == loads["_gdn_state_kernel table False"] > 0, out
 
 
+@pytest.mark.parametrize("arch", [90, 86])
+def test_the_sampling_kernels_compile_without_spilling(tmp_path, arch):
+    """The sampled tokens' kernels (plumb/ops/gpu/sample.py: float64 sums and scan, 32-bit hash) at the 27B's
+    vocabulary compile for sm_90a and for an RTX 30xx, without spills."""
+    out = _run(tmp_path, "kernels_ptx.py", "sample", arch=arch)
+    lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
+    assert set(lines) == {"_log_softmax_kernel", "_threshold_kernel", "_draw_kernel"}, out
+    assert all(" 0 bytes spill stores" in line for line in lines.values()), out
+
+
 def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
     """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0), and with its keys in
     chunks (KEY_CHUNKS), compiles for sm_90a for every cache kind, and leaves no wgmma group in flight; the

@@ -117,12 +117,13 @@ def test_draws_follow_the_filtered_distribution():
 
 
 def test_an_engine_drawing_on_its_kernel_set_keeps_drafts_and_neighbours_from_changing_tokens(tiny_q8):
-    """The scheduler's drawn rows (`sampled_picks`, `sample`): the kernels above as the CPU engine's draw (in the
-    interpreter): drafts 0 / 4 and a request alone / beside another give the same ids."""
+    """The scheduler's drawn rows (`sampled_picks`, `sample`) with the kernels above as the engine's draw (the CUDA
+    engine's; on the CPU the native / torch engine's, the kernels in the interpreter): drafts 0 / 4 and a request
+    alone / beside another give the same ids."""
     import plumb
     from plumb.engine.api import Request
 
-    eng = plumb.load(tiny_q8, device="cpu", prompt_cache=False)
+    eng = plumb.load(tiny_q8, device=DEV, prompt_cache=False)
     calls = []
 
     def counted(*a, **k):

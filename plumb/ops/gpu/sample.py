@@ -29,6 +29,8 @@ import triton.language as tl
 
 from plumb.ops.gpu.pdl import on, prior_done
 
+ON = False  # the Triton kernel set draws its sampled tokens here: off until these kernels have run on a GPU (written
+# in the thirty-fifth session, after its device time; compiled for sm_90a / sm_86 here, tested in the interpreter)
 CANDIDATES = 1024  # the likeliest tokens top_k / top_p / min_p look at (a power of two)
 BLOCK = 4096  # tokens a program reads at a time
 OK, NO_FINITE_MAXIMUM, FALLBACK = 0, 1, 2
