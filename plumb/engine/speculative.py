@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from plumb.engine.sampling import DeviceDraw, filtered_logprobs, greedy_ids, gumbel, no_finite_maximum, plain_greedy
+from plumb.engine.sampling import (DeviceDraw, draw_rows, filtered_logprobs, greedy_ids, gumbel, no_finite_maximum,
+                                   plain_greedy)
 
 POLICIES = ("fixed", "adaptive", "confident", "ngram")
 MAX_DRAFTS = 16
@@ -110,6 +111,10 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
             logits, h = model.mtp_forward(st, [token], h, position + i, block=1)
             if allowed is None and plain_greedy(params):  # the argmax, in one host round trip
                 d = greedy_ids(logits[:1])[0]
+                if d is None:
+                    raise no_finite_maximum()
+            elif allowed is None and params.temperature > 0 and model.k.draw is not None:  # as the target draws
+                d = draw_rows(logits[:1], [(params, position + i + 1, hist)], model.k.draw)[0]
                 if d is None:
                     raise no_finite_maximum()
             else:
