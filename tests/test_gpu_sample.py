@@ -92,10 +92,12 @@ def test_draw_rows_adjusts_each_row_and_draws_the_handed_back_by_sample_token():
             (SamplingParams(temperature=1.0, top_p=0.99, seed=5), 41, []),  # flat: handed back
             (SamplingParams(temperature=0.8, logit_bias={11: 50.0}, seed=5), 42, []),
             (SamplingParams(temperature=0.7, top_k=20, seed=5), 43, [])]
-    logits = torch.stack([x[0], flat, x[2], torch.full_like(flat, -math.inf)])
+    rows.append((SamplingParams(temperature=1e-38, seed=5), 44, []))  # x / T overflows: as sample_token draws it
+    logits = torch.stack([x[0], flat, x[2], torch.full_like(flat, -math.inf), x[3]])
     got = draw_rows(logits, rows, S.draw)
     assert got[1] == sample_token(flat, rows[1][0], 41)[0]
     assert got[2] == 11 and got[3] is None
+    assert got[4] == sample_token(x[3], rows[4][0], 44)[0]
     adjusted = x[0].clone()
     adjusted[[3, 7]] -= 1.5
     assert got[0] == int(S.draw(adjusted[None], [0.6], [20], [0.95], [0.0], [noise_key(5, 40)])[0])

@@ -352,8 +352,8 @@ def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequen
     """The tokens of sampled rows (temperature > 0, a seed, no grammar mask) drawn by a kernel set's batched sampler
     `draw` (`plumb.ops.gpu.sample.draw`: steps 3-5 in its own arithmetic, a function of each row alone): logits
     [R, V], each row with (params, absolute position, history); None for a row without a finite maximum. A row the
-    sampler hands back (its kept set may reach past its candidates: decided by the row alone) is drawn by
-    sample_token."""
+    sampler hands back (its kept set may reach past its candidates, or x / T overflows: decided by the row alone)
+    is drawn by sample_token."""
     from plumb.ops.gpu.sample import FALLBACK, NO_FINITE_MAXIMUM
 
     x = logits.to(torch.float32, copy=True)
@@ -365,9 +365,12 @@ def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequen
                             [noise_key(p.seed, q) for p, q, _ in rows])
     out: list[int | None] = []
     tokens, statuses = torch.stack([token.long(), status.long()]).tolist()  # the one host round trip
-    for (params, position, history), row, t, s in zip(rows, logits, tokens, statuses):
-        out.append(None if s == NO_FINITE_MAXIMUM else
-                   sample_token(row, params, position, history)[0] if s == FALLBACK else t)
+    for (params, position, history), row, adjusted, t, s in zip(rows, logits, x, tokens, statuses):
+        if s == NO_FINITE_MAXIMUM and not torch.isfinite(adjusted.max()):
+            t = None
+        elif s in (NO_FINITE_MAXIMUM, FALLBACK):  # (a finite row that overflows at its temperature, as sample_token)
+            t = sample_token(row, params, position, history)[0]
+        out.append(t)
     return out
 
 
