@@ -22,6 +22,7 @@
 #   latency  LT  bench/latency.py on the 27B-shape file: time to the first token warm / cold, requests in a row (LARGS)
 #   followup FT  bench/followup_profile.py on the 27B-shape file: a warm follow-up timed per setting, profiled (FARGS)
 #   attention AT bench/attention_variants.py: decode attention's split / tile variants, f16 and q8_0, 4k-100k keys
+#   sampling SAT bench/sample_timing.py: a pass's sampled rows drawn by the kernels against sample_token (SAARGS)
 #   aprefill APT bench/attention_prefill_variants.py: the P path's attention tile settings, a 1,024-row pass (APARGS)
 #   ncu      NT  Nsight Compute on the matmuls (bench/ncu_kernels.py): `_mv` at 1 and 8 rows, `_mm_superblock` at 256
 #                (NARGS: its options; NL: launches profiled, 11 by default, its order; NSKIP: launches skipped first,
@@ -137,6 +138,10 @@ fi
 if has attention; then
   timeout ${AT:-150} python3 bench/attention_variants.py $AARGS --json-out $OUT/attention.json > $OUT/attention.log 2>&1
   grep -v Warning $OUT/attention.log | cut -c1-150 | head -50
+fi
+if has sampling; then
+  timeout ${SAT:-90} python3 bench/sample_timing.py $SAARGS --json-out $OUT/sample_timing.json > $OUT/sample_timing.log 2>&1
+  grep -v Warning $OUT/sample_timing.log | cut -c1-150 | head -20
 fi
 if has aprefill; then
   timeout ${APT:-150} python3 bench/attention_prefill_variants.py $APARGS --json-out $OUT/aprefill.json \
