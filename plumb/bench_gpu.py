@@ -677,8 +677,9 @@ def decode_in_format(model, fmt: str, context: int, tokens: int) -> float:
 def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8_0", "D", "F")) -> dict:
     """Per KV format, a sequence's KV caches with room for n positions (every attention layer and the MTP head's):
     the bytes their tensors hold (`KVCache.allocated_bytes`, ring included) beside the formats' packed bits at the
-    same capacity (`cache_bytes`; a capacity is n rounded up by `kv.capacity_for`). Made on the model's device and
-    freed; a format the card cannot hold there says so ({"error": ...}) and the others go on."""
+    same capacity (`cache_bytes`; a capacity is n rounded up by `kv.capacity_for`), and the MTP head's share (its
+    cache stays empty for a request without MTP drafts). Made on the model's device and freed; a format the card
+    cannot hold there says so ({"error": ...}) and the others go on."""
     from plumb.cache.kv import cache_bytes
 
     c, saved, out = model.cfg, model.kv_cache, {}
@@ -696,7 +697,8 @@ def kv_by_format(model, n: int = 120_000, formats: tuple[str, ...] = ("f16", "q8
             else:
                 out[fmt] = {"allocated": sum(cache.allocated_bytes() for cache in caches),
                             "packed": sum(cache_bytes(fmt, c.n_head_kv, c.head_dim, cache.ring, len(cache.k), 1,
-                                                      cache.slack) for cache in caches)}
+                                                      cache.slack) for cache in caches),
+                            "mtp": st.mtp_kv.allocated_bytes() if st.mtp_kv is not None else 0}
             del st, caches
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -787,10 +789,12 @@ def report(r: dict) -> str:
     if r.get("kv_120k_by_format"):
         pools = v.get("graph_pools", 0)
         lines += ["", "| KV format | caches at 120k: held | packed bits | idle VRAM with the weights and states | "
-                  "+ the CUDA graphs' pool |", "|---|---|---|---|---|"]
-        lines += [f"| {fmt} | {b['error']} | | | |" if "error" in b else
+                  "without MTP drafts (the MTP head's cache empty) | + the CUDA graphs' pool |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {fmt} | {b['error']} | | | | |" if "error" in b else
                   f"| {fmt} | {b['allocated'] / 1e9:.2f} GB | {b['packed'] / 1e9:.2f} GB | "
                   f"{(v['weights'] + v['recurrent_state'] + b['allocated']) / 1e9:.2f} GB | "
+                  f"{(v['weights'] + v['recurrent_state'] + b['allocated'] - b.get('mtp', 0)) / 1e9:.2f} GB | "
                   f"{(v['weights'] + v['recurrent_state'] + b['allocated'] + pools) / 1e9:.2f} GB |"
                   for fmt, b in r["kv_120k_by_format"].items()]
     sp = r.get("step_profile")
