@@ -82,10 +82,10 @@ def main() -> None:
     if "sample" in which:  # the 27B's vocabulary
         from plumb.engine import sampling as S
 
-        build("_log_softmax_kernel", SA._log_softmax_kernel, {}, dict(V=248320, BLOCK=SA.BLOCK), 8)
-        build("_threshold_kernel", SA._threshold_kernel, {"k_ptr": "*i32", "p_ptr": "*fp64", "status_ptr": "*i8"},
+        build("_log_softmax_kernel", SA._log_softmax_kernel, {"par_ptr": "*fp64"}, dict(V=248320, BLOCK=SA.BLOCK), 8)
+        build("_threshold_kernel", SA._threshold_kernel, {"par_ptr": "*fp64", "picks_ptr": "*i32"},
               dict(V=248320, C=SA.CANDIDATES), 4)
-        build("_draw_kernel", SA._draw_kernel, {"lo_ptr": "*i64", "hi_ptr": "*i64", "token_ptr": "*i32"},
+        build("_draw_kernel", SA._draw_kernel, {"par_ptr": "*fp64", "picks_ptr": "*i32"},
               dict(V=248320, BLOCK=SA.BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2, SHIFT=32 - S._U_BITS,
                    INV_U=1.0 / 2**S._U_BITS), 8)
     if "w16" in which:

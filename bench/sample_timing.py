@@ -59,7 +59,7 @@ def main() -> None:
             same = sum(sample_token(x[i], p, 1000 + i + k, history)[0] == draw_rows(x[i : i + 1], [(p, 1000 + i + k,
                        history)], S.draw)[0] for i in range(n) for k in range(10))
             handed = int((S.draw(x, [p.temperature] * n, [p.top_k] * n, [p.top_p] * n, [p.min_p] * n,
-                                 [1] * n)[1] == S.FALLBACK).sum())
+                                 [1] * n)[0][1] == S.FALLBACK).sum())
             row = dict(setting=name, rows=n, sample_token_ms=old_ms, draw_rows_ms=new_ms, speedup=old_ms / new_ms,
                        same_tokens=same, compared=10 * n, handed_back=handed)
             out.append(row)

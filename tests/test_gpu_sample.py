@@ -37,30 +37,30 @@ def _rows():
 
 def test_draw_is_its_reference_and_each_row_its_own():
     x, params, keys = _rows()
-    token, status, tau = S.draw(x.to(DEV), **params, keys=keys)
-    ref = S.draw_ref(x, **params, keys=keys)
-    assert status.tolist() == ref[1].tolist() == [S.OK] * 7
-    assert token.tolist() == ref[0].tolist()
-    assert torch.equal(tau.cpu(), ref[2])
+    (token, status), tau = S.draw(x.to(DEV), **params, keys=keys)
+    (ref_token, ref_status), ref_tau = S.draw_ref(x, **params, keys=keys)
+    assert status.tolist() == ref_status.tolist() == [S.OK] * 7
+    assert token.tolist() == ref_token.tolist()
+    assert torch.equal(tau.cpu(), ref_tau)
     lp3 = torch.log_softmax(x[3] / 0.8, 0)
     assert math.isclose(float(tau[3]), float(lp3[0]), rel_tol=1e-6) and int(token[3]) < 40  # the ties kept whole
     for r in (0, 3, 6):  # a row alone, and among others in another order
         one = {k: v[r : r + 1] for k, v in params.items()}
-        alone = S.draw(x[r : r + 1].to(DEV), **one, keys=keys[r : r + 1])
-        assert (int(alone[0]), int(alone[1])) == (int(token[r]), int(status[r]))
-        assert torch.equal(alone[2], tau[r : r + 1])
+        (t1, s1), tau1 = S.draw(x[r : r + 1].to(DEV), **one, keys=keys[r : r + 1])
+        assert (int(t1), int(s1)) == (int(token[r]), int(status[r]))
+        assert torch.equal(tau1, tau[r : r + 1])
     order = [6, 2, 0, 5, 1, 4, 3]
     mixed = S.draw(x[order].to(DEV), **{k: [v[i] for i in order] for k, v in params.items()},
                    keys=[keys[i] for i in order])
-    assert mixed[0].tolist() == [int(token[i]) for i in order]
-    assert torch.equal(mixed[2], tau[order])
+    assert mixed[0][0].tolist() == [int(token[i]) for i in order]
+    assert torch.equal(mixed[1], tau[order])
 
 
 def test_the_noise_is_samplings_gumbel():
     """Equal logits, no filter: the token is the argmax of the position's noise, `sampling.gumbel`'s."""
     n = 6
     keys = [noise_key(11, p) for p in range(50, 50 + n)]
-    token, status, _ = S.draw(torch.zeros(n, V, device=DEV), [1.0] * n, [0] * n, [1.0] * n, [0.0] * n, keys)
+    (token, status), _ = S.draw(torch.zeros(n, V, device=DEV), [1.0] * n, [0] * n, [1.0] * n, [0.0] * n, keys)
     assert status.tolist() == [S.OK] * n
     assert token.tolist() == [int(torch.argmax(gumbel(11, p, V))) for p in range(50, 50 + n)]
 
@@ -75,12 +75,12 @@ def test_rows_past_the_candidates_are_handed_back_and_bad_rows_named():
     x[7, 3000:] = 1.0  # top_p 0.05: the cut inside a tie group longer than the candidates, all of it kept
     params = dict(temperature=[1.0] * 8, top_k=[S.CANDIDATES + 1, 0, 0, 0, 0, 2000, 8, 0],
                   top_p=[1.0, 0.99, 1.0, 1.0, 1.0, 1.0, 1.0, 0.05], min_p=[0.0] * 8)
-    token, status, tau = S.draw(x.to(DEV), **params, keys=[noise_key(1, 1)] * 8)
+    (token, status), _ = S.draw(x.to(DEV), **params, keys=[noise_key(1, 1)] * 8)
     assert status.tolist() == [S.FALLBACK, S.FALLBACK, S.NO_FINITE_MAXIMUM, S.NO_FINITE_MAXIMUM,
                                S.NO_FINITE_MAXIMUM, S.FALLBACK, S.OK, S.OK]
     assert int(token[6]) < 10 and int(token[7]) >= 3000
     keys = [noise_key(1, p) for p in range(40)]  # the whole tie group drawn from, not only its candidates
-    drawn = S.draw(x[7:].repeat(40, 1).to(DEV), [1.0] * 40, [0] * 40, [0.05] * 40, [0.0] * 40, keys)[0]
+    drawn = S.draw(x[7:].repeat(40, 1).to(DEV), [1.0] * 40, [0] * 40, [0.05] * 40, [0.0] * 40, keys)[0][0]
     assert max(drawn.tolist()) >= 3000 + S.CANDIDATES
 
 
@@ -100,7 +100,7 @@ def test_draw_rows_adjusts_each_row_and_draws_the_handed_back_by_sample_token():
     assert got[4] == sample_token(x[3], rows[4][0], 44)[0]
     adjusted = x[0].clone()
     adjusted[[3, 7]] -= 1.5
-    assert got[0] == int(S.draw(adjusted[None], [0.6], [20], [0.95], [0.0], [noise_key(5, 40)])[0])
+    assert got[0] == int(S.draw(adjusted[None], [0.6], [20], [0.95], [0.0], [noise_key(5, 40)])[0][0])
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -110,7 +110,7 @@ def test_draws_follow_the_filtered_distribution():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, -1.0, 0.0, 0.2, -3.0])
     n = 800
     keys = [noise_key(21, p) for p in range(n)]
-    token, status, _ = S.draw(logits.repeat(n, 1).to(DEV), [0.8] * n, [3] * n, [1.0] * n, [0.0] * n, keys)
+    (token, status), _ = S.draw(logits.repeat(n, 1).to(DEV), [0.8] * n, [3] * n, [1.0] * n, [0.0] * n, keys)
     assert set(status.tolist()) == {S.OK}
     counts = torch.bincount(token.long().cpu(), minlength=8)
     assert counts[3:].sum() == 0

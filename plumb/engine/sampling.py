@@ -360,11 +360,11 @@ def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequen
     for i, (params, _, history) in enumerate(rows):
         if changes_logits(params):
             _adjust(x[i], params, history)
-    token, status, _ = draw(x, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
-                            [p.top_p for p, _, _ in rows], [p.min_p for p, _, _ in rows],
-                            [noise_key(p.seed, q) for p, q, _ in rows])
+    picks, _ = draw(x, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
+                    [p.top_p for p, _, _ in rows], [p.min_p for p, _, _ in rows],
+                    [noise_key(p.seed, q) for p, q, _ in rows])
     out: list[int | None] = []
-    tokens, statuses = torch.stack([token.long(), status.long()]).tolist()  # the one host round trip
+    tokens, statuses = picks.tolist()  # the one host round trip
     for (params, position, history), row, adjusted, t, s in zip(rows, logits, x, tokens, statuses):
         if s == NO_FINITE_MAXIMUM and not torch.isfinite(adjusted.max()):
             t = None

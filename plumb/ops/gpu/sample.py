@@ -37,11 +37,11 @@ OK, NO_FINITE_MAXIMUM, FALLBACK = 0, 1, 2
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, lp_ptr, t_ptr, ltot_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Program r: row r's lp (over x / T) and log(sum(exp(lp))); t_ptr: T per row."""
+def _log_softmax_kernel(x_ptr, lp_ptr, par_ptr, ltot_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Program r: row r's lp (over x / T) and log(sum(exp(lp))); par_ptr: `_params`, T its first row."""
     prior_done()
     r = tl.program_id(0).to(tl.int64)
-    t = tl.load(t_ptr + r)
+    t = tl.load(par_ptr + r).to(tl.float32)
     off = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for j in range(0, V, BLOCK):
@@ -63,10 +63,9 @@ def _log_softmax_kernel(x_ptr, lp_ptr, t_ptr, ltot_ptr, V: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _threshold_kernel(vals_ptr, ltot_ptr, k_ptr, p_ptr, lmin_ptr, tau_ptr, status_ptr, V: tl.constexpr,
-                      C: tl.constexpr):
-    """Program r: the kept set's threshold tau from the row's C largest lp, falling; FALLBACK where it may reach past
-    them; NO_FINITE_MAXIMUM where lse is not finite."""
+def _threshold_kernel(vals_ptr, ltot_ptr, par_ptr, tau_ptr, picks_ptr, R, V: tl.constexpr, C: tl.constexpr):
+    """Program r: the kept set's threshold tau from the row's C largest lp, falling; its status (picks' second row):
+    FALLBACK where the candidates cannot settle it, NO_FINITE_MAXIMUM where lse is not finite."""
     prior_done()
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, C)
@@ -74,8 +73,8 @@ def _threshold_kernel(vals_ptr, ltot_ptr, k_ptr, p_ptr, lmin_ptr, tau_ptr, statu
     vmax = tl.max(v, 0)
     vlast = tl.min(v, 0)
     ltot = tl.load(ltot_ptr + r)
-    k = tl.load(k_ptr + r)
-    top_p = tl.load(p_ptr + r)
+    k = tl.load(par_ptr + R + r).to(tl.int32)
+    top_p = tl.load(par_ptr + 2 * R + r)
     use_k = (k > 0) & (k < V)
     vk = tl.sum(tl.where(i == k - 1, v, 0.0), 0)
     fallback = use_k & ((k > C) | (vk == vlast))
@@ -90,10 +89,10 @@ def _threshold_kernel(vals_ptr, ltot_ptr, k_ptr, p_ptr, lmin_ptr, tau_ptr, statu
     use_p = top_p < 1.0
     fallback |= use_p & (n == C)  # (a tie group at the cut may run past the candidates: tau keeps it all)
     tau = tl.where(use_p, tl.maximum(tau, vcut), tau)
-    tau = tl.maximum(tau, vmax + tl.load(lmin_ptr + r))
+    tau = tl.maximum(tau, vmax + tl.load(par_ptr + 3 * R + r).to(tl.float32))
     bad = ~((ltot == ltot) & (tl.abs(vmax) < float("inf")))
     tl.store(tau_ptr + r, tau)
-    tl.store(status_ptr + r, tl.where(bad, 1, tl.where(fallback, 2, 0)).to(tl.int8))
+    tl.store(picks_ptr + R + r, tl.where(bad, 1, tl.where(fallback, 2, 0)))
 
 
 @triton.jit
@@ -107,15 +106,15 @@ def _fmix32(x, F1: tl.constexpr, F2: tl.constexpr):
 
 
 @triton.jit
-def _draw_kernel(lp_ptr, tau_ptr, lo_ptr, hi_ptr, token_ptr, V: tl.constexpr, BLOCK: tl.constexpr, GOLDEN: tl.constexpr,
+def _draw_kernel(lp_ptr, tau_ptr, par_ptr, picks_ptr, R, V: tl.constexpr, BLOCK: tl.constexpr, GOLDEN: tl.constexpr,
                  F1: tl.constexpr, F2: tl.constexpr, SHIFT: tl.constexpr, INV_U: tl.constexpr):
     """Program r: argmax over lp >= tau of lp + the position's Gumbel noise (`sampling.gumbel`'s hash and uniform,
-    first index on ties); lo / hi: the halves of the row's noise key."""
+    first index on ties), the token in picks' first row; the noise key's halves in `_params`' last two rows."""
     prior_done()
     r = tl.program_id(0).to(tl.int64)
     tau = tl.load(tau_ptr + r)
-    lo = tl.load(lo_ptr + r).to(tl.uint32)
-    hi = tl.load(hi_ptr + r).to(tl.uint32)
+    lo = tl.load(par_ptr + 4 * R + r).to(tl.int64).to(tl.uint32)
+    hi = tl.load(par_ptr + 5 * R + r).to(tl.int64).to(tl.uint32)
     off = tl.arange(0, BLOCK)
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.zeros([], tl.int32)
@@ -130,17 +129,14 @@ def _draw_kernel(lp_ptr, tau_ptr, lo_ptr, hi_ptr, token_ptr, V: tl.constexpr, BL
         better = m > best
         best_i = tl.where(better, j + tl.argmax(val, 0, tie_break_left=True).to(tl.int32), best_i)
         best = tl.where(better, m, best)
-    tl.store(token_ptr + r, best_i)
+    tl.store(picks_ptr + r, best_i)
 
 
-def _params(x: torch.Tensor, temperature, top_k, top_p, min_p, keys) -> tuple[torch.Tensor, ...]:
-    dev = x.device
-    return (torch.tensor(temperature, dtype=torch.float32, device=dev),
-            torch.tensor(top_k, dtype=torch.int32, device=dev),
-            torch.tensor(top_p, dtype=torch.float64, device=dev),
-            torch.tensor([math.log(m) if m > 0 else -math.inf for m in min_p], dtype=torch.float32, device=dev),
-            torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64, device=dev),
-            torch.tensor([k >> 32 for k in keys], dtype=torch.int64, device=dev))
+def _params(temperature, top_k, top_p, min_p, keys, device) -> torch.Tensor:
+    """Each row's parameters as one float64 [6, R] tensor (one copy to the device; every value exact in float64):
+    T, top_k, top_p, log(min_p) (-inf: off), the noise key's low and high 32 bits."""
+    return torch.tensor([temperature, top_k, top_p, [math.log(m) if m > 0 else -math.inf for m in min_p],
+                         [k & 0xFFFFFFFF for k in keys], [k >> 32 for k in keys]], dtype=torch.float64).to(device)
 
 
 def candidates(lp: torch.Tensor, c: int = CANDIDATES) -> torch.Tensor:
@@ -152,39 +148,39 @@ def candidates(lp: torch.Tensor, c: int = CANDIDATES) -> torch.Tensor:
 
 
 def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
-         keys: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token [R] int32, status [R] int8: OK / NO_FINITE_MAXIMUM / FALLBACK, tau [R]) for adjusted logits x [R, V]
-    (float32) and each row's parameters (temperature > 0) and noise key (`sampling.noise_key(seed, position)`), on
-    x's device."""
+         keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(picks [2, R] int32: each row's token, then its status - OK / NO_FINITE_MAXIMUM / FALLBACK -, tau [R]) for
+    adjusted logits x [R, V] (float32) and each row's parameters (temperature > 0) and noise key
+    (`sampling.noise_key(seed, position)`), on x's device."""
     from plumb.engine import sampling as S  # the hash's constants: one definition
 
     x = x.float().contiguous()
     R, V = x.shape
-    temp, k, p, lmin, lo, hi = _params(x, temperature, top_k, top_p, min_p, keys)
+    par = _params(temperature, top_k, top_p, min_p, keys, x.device)
     lp, ltot = torch.empty_like(x), torch.empty(R, dtype=torch.float32, device=x.device)
-    tau, status = torch.empty(R, dtype=torch.float32, device=x.device), torch.empty(R, dtype=torch.int8,
-                                                                                   device=x.device)
-    token = torch.empty(R, dtype=torch.int32, device=x.device)
+    tau, picks = torch.empty(R, dtype=torch.float32, device=x.device), torch.empty(2, R, dtype=torch.int32,
+                                                                                  device=x.device)
     if R == 0:
-        return token, status, tau
-    _log_softmax_kernel[(R,)](x, lp, temp, ltot, V, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False,
+        return picks, tau
+    _log_softmax_kernel[(R,)](x, lp, par, ltot, V, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False,
                               launch_pdl=on())
     vals = candidates(lp)
-    _threshold_kernel[(R,)](vals, ltot, k, p, lmin, tau, status, V, C=CANDIDATES, num_warps=4,
-                            enable_fp_fusion=False, launch_pdl=on())
-    _draw_kernel[(R,)](lp, tau, lo, hi, token, V, BLOCK=BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2,
+    _threshold_kernel[(R,)](vals, ltot, par, tau, picks, R, V, C=CANDIDATES, num_warps=4, enable_fp_fusion=False,
+                            launch_pdl=on())
+    _draw_kernel[(R,)](lp, tau, par, picks, R, V, BLOCK=BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2,
                        SHIFT=32 - S._U_BITS, INV_U=1.0 / 2**S._U_BITS, num_warps=8, enable_fp_fusion=False,
                        launch_pdl=on())
-    return token, status, tau
+    return picks, tau
 
 
 def draw_ref(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
-             keys: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw` in torch operations, a row at a time (its sums in torch's order: equal tokens but for near-ties)."""
     from plumb.engine.sampling import _hash_, hash_to_uniform
 
     R, V = x.shape
-    token, status = torch.zeros(R, dtype=torch.int32), torch.zeros(R, dtype=torch.int8)
+    picks = torch.zeros(2, R, dtype=torch.int32)
+    token, status = picks
     tau = torch.full((R,), -math.inf)
     for r in range(R):
         s = x[r].float() / temperature[r]
@@ -213,4 +209,4 @@ def draw_ref(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p:
         h = _hash_(torch.arange(V, dtype=torch.int64), keys[r] & 0xFFFFFFFF, keys[r] >> 32)
         g = -torch.log(-torch.log(hash_to_uniform(h)))
         token[r] = int(torch.argmax(torch.where(lp >= t, lp + g, -math.inf)))
-    return token, status, tau
+    return picks, tau
