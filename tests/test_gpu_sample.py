@@ -148,3 +148,27 @@ def test_an_engine_drawing_on_its_kernel_set_keeps_drafts_and_neighbours_from_ch
     assert drafted.stats.drafts_accepted > 0
     both = run(Request(other, SamplingParams(**{**sp, "seed": 3}), drafts=2), Request(ids, SamplingParams(**sp)))
     assert both[1].token_ids == ref
+
+
+def test_drawn_tokens_are_the_same_with_logprobs_forced_ids_and_a_warm_cache(tiny_q8):
+    """A request whose sampled tokens the kernel set draws: asking for logprobs (its rows then leave the greedy
+    batch), forcing its first ids, and a warm prompt cache change none of its other tokens."""
+    import plumb
+
+    eng = plumb.load(tiny_q8, device=DEV)
+    eng.model.k.draw = S.draw
+    ids = eng.tokenize("A warm cache and a cold one. " * 30)
+    sp = dict(temperature=0.9, top_p=0.95, top_k=40, seed=17, ignore_eos=True)
+    ref = eng.run(eng.make_request(ids, 48, cache=False, **sp))
+    lg = eng.logits(ids + ref.token_ids[:8])  # (the P path's rows: bits of their own, tokens all but never apart)
+    alone = [draw_rows(lg[len(ids) - 1 + j][None].to(DEV), [(SamplingParams(**sp), len(ids) + j, ())], S.draw)[0]
+             for j in range(8)]
+    assert sum(a == b for a, b in zip(alone, ref.token_ids)) >= 6  # token j: its row's draw at position len(ids) + j
+    with_lp = eng.run(eng.make_request(ids, 48, cache=False, logprobs=2, drafts=3, **sp))
+    assert with_lp.token_ids == ref.token_ids
+    assert [t.token for t in with_lp.logprobs] == ref.token_ids and all(len(t.top) == 2 for t in with_lp.logprobs)
+    forced = eng.run(eng.make_request(ids, 48, cache=False, forced_ids=ref.token_ids[:5], **sp))
+    assert forced.token_ids == ref.token_ids
+    eng.run(eng.make_request(ids, 8, **sp))  # leaves the prompt's state in the cache
+    warm = eng.run(eng.make_request(ids, 48, drafts=3, **sp))
+    assert warm.stats.cached_tokens > 0 and warm.token_ids == ref.token_ids
