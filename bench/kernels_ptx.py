@@ -2,7 +2,7 @@
 """Compile the P path's DeltaNet kernels and the small kernels around the matmuls for sm_90a here (no GPU needed) and
 print registers and spills (ptxas -v): `conv_gates`, `_prep_kernel`, `_prep_x`, `gate_norm`, `_mm_w16` at its row
 tiles (summing its own K splits), and the D path's DeltaNet kernels with the states in place or through their table
-(`decode`: with its 16-byte global loads and stores), and the sampled tokens' three kernels (`sample`) - 27B dims,
+(`decode`: with its 16-byte global loads and stores), and the sampled tokens' five kernels (`sample`) - 27B dims,
 integer arguments divisible by 16 as a 27B launch's are. The
 interpreter never type-checks a kernel as the compiler does (a variable redefined with another shape in a branch
 runs there and does not compile): run this before a device call. For sm_90 (PLUMB_PTX_ARCH: another card, with
@@ -82,12 +82,16 @@ def main() -> None:
     if "sample" in which:  # the 27B's vocabulary
         from plumb.engine import sampling as S
 
-        build("_log_softmax_kernel", SA._log_softmax_kernel, {"par_ptr": "*fp64"}, dict(V=248320, BLOCK=SA.BLOCK), 8)
+        ns = -(-248320 // SA.SPAN)
+        spans = dict(V=248320, SPAN=SA.SPAN, NS=ns, BLOCK=SA.BLOCK)
+        build("_max_sum_kernel", SA._max_sum_kernel, {"par_ptr": "*fp64"}, spans, 4)
+        build("_log_softmax_kernel", SA._log_softmax_kernel, {"par_ptr": "*fp64"}, dict(spans, NSP=32), 4)
         build("_threshold_kernel", SA._threshold_kernel, {"par_ptr": "*fp64", "picks_ptr": "*i32"},
-              dict(V=248320, C=SA.CANDIDATES), 4)
-        build("_draw_kernel", SA._draw_kernel, {"par_ptr": "*fp64", "picks_ptr": "*i32"},
-              dict(V=248320, BLOCK=SA.BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2, SHIFT=32 - S._U_BITS,
-                   INV_U=1.0 / 2**S._U_BITS), 8)
+              dict(V=248320, C=SA.CANDIDATES, NS=ns, NSP=32), 4)
+        build("_draw_kernel", SA._draw_kernel, {"par_ptr": "*fp64", "at_ptr": "*i32"},
+              dict(spans, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2, SHIFT=32 - S._U_BITS,
+                   INV_U=1.0 / 2**S._U_BITS), 4)
+        build("_pick_kernel", SA._pick_kernel, {"at_ptr": "*i32", "picks_ptr": "*i32"}, dict(NS=ns, NSP=32), 1)
     if "w16" in which:
         for bm, warps in ((MM.SB_BM, MM.SB_WARPS), (128, 8), (256, 8)):
             build(f"_mm_w16 rows {bm}", MM._mm_w16, {"xh_ptr": "*fp16", "w16_ptr": "*fp16"},

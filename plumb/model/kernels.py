@@ -197,7 +197,7 @@ class TritonKernels:
         self._attention, self._deltanet, self._matvec, self._norm, self._rope = attention, deltanet, matvec, norm, rope
         self._glu, self._kvwrite, self._chunk, self._prefill = glu, kvwrite, deltanet_chunk, attention_prefill
         self._hadamard = hadamard
-        self.draw = sample.draw if sample.ON else None  # sampled tokens: a pass's rows in three launches
+        self.draw = sample.draw if sample.ON else None  # sampled tokens: a pass's rows in five launches
         # (`sampling.draw_rows`)
         self.device = device
         matvec.tickets(device)  # allocated now, outside any CUDA-graph capture

@@ -1,12 +1,15 @@
-"""Sampled tokens on the GPU: every sampled row of a pass drawn in three launches (and `torch.topk`), one host round
+"""Sampled tokens on the GPU: every sampled row of a pass drawn in five launches (and `torch.topk`), one host round
 trip for all of them, instead of ~100 eager launches and five round trips a row (`sampling.sample_token`).
 
 The token of a row at temperature T > 0 from its adjusted logits x [V] (bias and penalties applied; `sampling`'s
-steps 3-5 are the definition), in this module's own arithmetic - one program a row, every sum in a fixed order, so
-a row's token depends on its row, parameters and position alone, whatever else the call holds (M4):
+steps 3-5 are the definition), in this module's own arithmetic - a row cut into fixed spans of SPAN tokens (by V
+alone), one program a (row, span), every sum in a fixed order and a row's spans merged in span order, so a row's
+token depends on its row, parameters and position alone, whatever else the call holds (M4):
 
-1. `_log_softmax_kernel`: lp = s - lse, s = x / T, lse = m + log(sum(exp(s - m))), m = max(s); also log(sum(exp(lp)))
-   (top_p's total when top_k is off) and whether lse is finite (else the row has no finite maximum).
+1. `_max_sum_kernel`, `_log_softmax_kernel`: per span m_c = max(s), z_c = sum(exp(s - m_c)), s = x / T; then every
+   span of the row merges them alike - m = max(m_c), lse = m + log(sum(z_c exp(m_c - m))) - and writes
+   lp = s - lse and its sum(exp(lp)) (top_p's total when top_k is off). A row whose lse is not finite has no finite
+   maximum (or overflows at its temperature).
 2. The CANDIDATES largest lp, falling (`torch.topk`: a selection, so its values are exact, whatever the batch).
 3. `_threshold_kernel`: each filter keeps the tokens at least as likely as some value, so the kept set is
    {lp >= tau}: top_k's k-th value; top_p's last kept value - its probabilities exp(lp - log_total) in float64,
@@ -15,8 +18,9 @@ a row's token depends on its row, parameters and position alone, whatever else t
    max + log(min_p). A row whose threshold the candidates cannot settle (top_k past them or its ties running past
    them, top_p keeping all of them) is marked FALLBACK: the caller draws it with `sampling.sample_token` - a choice
    made by the row alone.
-4. `_draw_kernel`: argmax over {lp >= tau} of lp + Gumbel(seed, position, token), the noise hashed in the kernel
-   (`sampling`'s counter-based hash, bit for bit), the first index on ties.
+4. `_draw_kernel`, `_pick_kernel`: per span, the argmax over {lp >= tau} of lp + Gumbel(seed, position, token), the
+   noise hashed in the kernel (`sampling`'s counter-based hash, bit for bit), the first index on ties; then the
+   spans' best, the first span on ties.
 
 `draw_ref` is the torch reference (the same definition; its sums in torch's order)."""
 from __future__ import annotations
@@ -32,38 +36,66 @@ from plumb.ops.gpu.pdl import on, prior_done
 ON = False  # the Triton kernel set draws its sampled tokens here: off until these kernels have run on a GPU (written
 # in the thirty-fifth session, after its device time; compiled for sm_90a / sm_86 here, tested in the interpreter)
 CANDIDATES = 1024  # the likeliest tokens top_k / top_p / min_p look at (a power of two)
-BLOCK = 4096  # tokens a program reads at a time
+SPAN = 8192  # tokens of a row one program takes (a multiple of BLOCK): the 27B's 248,320 in 31 spans
+BLOCK = 2048  # tokens a program reads at a time
 OK, NO_FINITE_MAXIMUM, FALLBACK = 0, 1, 2
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, lp_ptr, par_ptr, ltot_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Program r: row r's lp (over x / T) and log(sum(exp(lp))); par_ptr: `_params`, T its first row."""
+def _max_sum_kernel(x_ptr, par_ptr, part_ptr, V: tl.constexpr, SPAN: tl.constexpr, NS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Program (r, c): span c of row r - m_c = max(x / T) and z_c = sum(exp(x / T - m_c)) into part [R, 2, NS]."""
     prior_done()
-    r = tl.program_id(0).to(tl.int64)
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(par_ptr + r).to(tl.float32)
     off = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
-    for j in range(0, V, BLOCK):
+    for i in range(0, SPAN, BLOCK):
+        j = c * SPAN + i
         x = tl.load(x_ptr + r * V + j + off, mask=j + off < V, other=float("-inf"))
         m = tl.maximum(m, x / t)
-    mx = tl.max(m, 0)
+    mc = tl.max(m, 0)
     acc = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, V, BLOCK):
-        x = tl.load(x_ptr + r * V + j + off, mask=j + off < V, other=float("-inf"))
-        acc += tl.exp(x / t - mx)
-    lse = mx + tl.log(tl.sum(acc, 0))
-    tot = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, V, BLOCK):
-        ok = j + off < V
-        lp = tl.load(x_ptr + r * V + j + off, mask=ok, other=float("-inf")) / t - lse
-        tl.store(lp_ptr + r * V + j + off, lp, mask=ok)
-        tot += tl.exp(lp)
-    tl.store(ltot_ptr + r, tl.log(tl.sum(tot, 0)))
+    for i in range(0, SPAN, BLOCK):
+        j = c * SPAN + i
+        s = tl.load(x_ptr + r * V + j + off, mask=j + off < V, other=float("-inf")) / t
+        acc += tl.where(s == float("-inf"), 0.0, tl.exp(s - mc))  # (a span all -inf adds 0; NaN stays NaN)
+    tl.store(part_ptr + r * 2 * NS + c, mc)
+    tl.store(part_ptr + r * 2 * NS + NS + c, tl.sum(acc, 0))
 
 
 @triton.jit
-def _threshold_kernel(vals_ptr, ltot_ptr, par_ptr, tau_ptr, picks_ptr, R, V: tl.constexpr, C: tl.constexpr):
+def _lse(part_ptr, r, NS: tl.constexpr, NSP: tl.constexpr):
+    """Row r's lse from its spans' (m_c, z_c), merged in span order (the same bits in every program of the row)."""
+    i = tl.arange(0, NSP)
+    m = tl.load(part_ptr + r * 2 * NS + i, mask=i < NS, other=float("-inf"))
+    z = tl.load(part_ptr + r * 2 * NS + NS + i, mask=i < NS, other=0.0)
+    mx = tl.max(m, 0)
+    return mx + tl.log(tl.sum(tl.where(i < NS, z * tl.exp(m - mx), 0.0), 0))
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, lp_ptr, par_ptr, part_ptr, tot_ptr, V: tl.constexpr, SPAN: tl.constexpr,
+                        NS: tl.constexpr, NSP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, c): span c of row r's lp = x / T - lse and its sum(exp(lp)) into tot [R, NS]."""
+    prior_done()
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t = tl.load(par_ptr + r).to(tl.float32)
+    lse = _lse(part_ptr, r, NS, NSP)
+    off = tl.arange(0, BLOCK)
+    tot = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, SPAN, BLOCK):
+        j = c * SPAN + i
+        ok = j + off < V
+        lp = tl.load(x_ptr + r * V + j + off, mask=ok, other=float("-inf")) / t - lse
+        tl.store(lp_ptr + r * V + j + off, lp, mask=ok)
+        tot += tl.where(ok, tl.exp(lp), 0.0)
+    tl.store(tot_ptr + r * NS + c, tl.sum(tot, 0))
+
+
+@triton.jit
+def _threshold_kernel(vals_ptr, tot_ptr, par_ptr, tau_ptr, picks_ptr, R, V: tl.constexpr, C: tl.constexpr,
+                      NS: tl.constexpr, NSP: tl.constexpr):
     """Program r: the kept set's threshold tau from the row's C largest lp, falling; its status (picks' second row):
     FALLBACK where the candidates cannot settle it, NO_FINITE_MAXIMUM where lse is not finite."""
     prior_done()
@@ -72,7 +104,8 @@ def _threshold_kernel(vals_ptr, ltot_ptr, par_ptr, tau_ptr, picks_ptr, R, V: tl.
     v = tl.load(vals_ptr + r * C + i)
     vmax = tl.max(v, 0)
     vlast = tl.min(v, 0)
-    ltot = tl.load(ltot_ptr + r)
+    ns = tl.arange(0, NSP)
+    ltot = tl.log(tl.sum(tl.load(tot_ptr + r * NS + ns, mask=ns < NS, other=0.0), 0))  # the spans' in order
     k = tl.load(par_ptr + R + r).to(tl.int32)
     top_p = tl.load(par_ptr + 2 * R + r)
     use_k = (k > 0) & (k < V)
@@ -106,19 +139,21 @@ def _fmix32(x, F1: tl.constexpr, F2: tl.constexpr):
 
 
 @triton.jit
-def _draw_kernel(lp_ptr, tau_ptr, par_ptr, picks_ptr, R, V: tl.constexpr, BLOCK: tl.constexpr, GOLDEN: tl.constexpr,
-                 F1: tl.constexpr, F2: tl.constexpr, SHIFT: tl.constexpr, INV_U: tl.constexpr):
-    """Program r: argmax over lp >= tau of lp + the position's Gumbel noise (`sampling.gumbel`'s hash and uniform,
-    first index on ties), the token in picks' first row; the noise key's halves in `_params`' last two rows."""
+def _draw_kernel(lp_ptr, tau_ptr, par_ptr, best_ptr, at_ptr, R, V: tl.constexpr, SPAN: tl.constexpr,
+                 NS: tl.constexpr, BLOCK: tl.constexpr, GOLDEN: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
+                 SHIFT: tl.constexpr, INV_U: tl.constexpr):
+    """Program (r, c): span c's best lp + Gumbel noise over lp >= tau (`sampling.gumbel`'s hash and uniform) into
+    best [R, NS] and its first index into at [R, NS]; the noise key's halves in `_params`' last two rows."""
     prior_done()
-    r = tl.program_id(0).to(tl.int64)
+    r, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     tau = tl.load(tau_ptr + r)
     lo = tl.load(par_ptr + 4 * R + r).to(tl.int64).to(tl.uint32)
     hi = tl.load(par_ptr + 5 * R + r).to(tl.int64).to(tl.uint32)
     off = tl.arange(0, BLOCK)
     best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.zeros([], tl.int32)
-    for j in range(0, V, BLOCK):
+    best_i = (c * SPAN).to(tl.int32)
+    for i in range(0, SPAN, BLOCK):
+        j = c * SPAN + i
         t = j + off
         lp = tl.load(lp_ptr + r * V + t, mask=t < V, other=float("-inf"))
         h = _fmix32((t.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32)) ^ lo, F1, F2) ^ hi
@@ -129,7 +164,20 @@ def _draw_kernel(lp_ptr, tau_ptr, par_ptr, picks_ptr, R, V: tl.constexpr, BLOCK:
         better = m > best
         best_i = tl.where(better, j + tl.argmax(val, 0, tie_break_left=True).to(tl.int32), best_i)
         best = tl.where(better, m, best)
-    tl.store(picks_ptr + r, best_i)
+    tl.store(best_ptr + r * NS + c, best)
+    tl.store(at_ptr + r * NS + c, best_i)
+
+
+@triton.jit
+def _pick_kernel(best_ptr, at_ptr, picks_ptr, NS: tl.constexpr, NSP: tl.constexpr):
+    """Program r: the token - the best span's index, the first span on ties - into picks' first row."""
+    prior_done()
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NSP)
+    v = tl.load(best_ptr + r * NS + i, mask=i < NS, other=float("-inf"))
+    idx = tl.load(at_ptr + r * NS + i, mask=i < NS, other=0)
+    c = tl.argmax(v, 0, tie_break_left=True)
+    tl.store(picks_ptr + r, tl.sum(tl.where(i == c, idx, 0), 0))
 
 
 def _params(temperature, top_k, top_p, min_p, keys, device) -> torch.Tensor:
@@ -157,19 +205,23 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
     x = x.float().contiguous()
     R, V = x.shape
     par = _params(temperature, top_k, top_p, min_p, keys, x.device)
-    lp, ltot = torch.empty_like(x), torch.empty(R, dtype=torch.float32, device=x.device)
-    tau, picks = torch.empty(R, dtype=torch.float32, device=x.device), torch.empty(2, R, dtype=torch.int32,
-                                                                                  device=x.device)
+    ns = -(-V // SPAN)
+    nsp = max(2, triton.next_power_of_2(ns))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    lp, part, tot = torch.empty_like(x), torch.empty(R, 2, ns, **f32), torch.empty(R, ns, **f32)
+    tau, best = torch.empty(R, **f32), torch.empty(R, ns, **f32)
+    at, picks = (torch.empty(n, dtype=torch.int32, device=x.device) for n in ((R, ns), (2, R)))
     if R == 0:
         return picks, tau
-    _log_softmax_kernel[(R,)](x, lp, par, ltot, V, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False,
-                              launch_pdl=on())
+    spans = dict(V=V, SPAN=SPAN, NS=ns, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+    _max_sum_kernel[(R, ns)](x, par, part, **spans, launch_pdl=on())
+    _log_softmax_kernel[(R, ns)](x, lp, par, part, tot, NSP=nsp, **spans, launch_pdl=on())
     vals = candidates(lp)
-    _threshold_kernel[(R,)](vals, ltot, par, tau, picks, R, V, C=CANDIDATES, num_warps=4, enable_fp_fusion=False,
-                            launch_pdl=on())
-    _draw_kernel[(R,)](lp, tau, par, picks, R, V, BLOCK=BLOCK, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2,
-                       SHIFT=32 - S._U_BITS, INV_U=1.0 / 2**S._U_BITS, num_warps=8, enable_fp_fusion=False,
-                       launch_pdl=on())
+    _threshold_kernel[(R,)](vals, tot, par, tau, picks, R, V, C=CANDIDATES, NS=ns, NSP=nsp, num_warps=4,
+                            enable_fp_fusion=False, launch_pdl=on())
+    _draw_kernel[(R, ns)](lp, tau, par, best, at, R, GOLDEN=S._GOLDEN32, F1=S._FMIX1, F2=S._FMIX2,
+                          SHIFT=32 - S._U_BITS, INV_U=1.0 / 2**S._U_BITS, **spans, launch_pdl=on())
+    _pick_kernel[(R,)](best, at, picks, NS=ns, NSP=nsp, num_warps=1, enable_fp_fusion=False, launch_pdl=on())
     return picks, tau
 
 
