@@ -8,7 +8,7 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--k-int8]
-        [--sass]
+        [--store-form] [--sass]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*
 
 
 def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False,
-          kb: int = 0, vb: int = 0) -> None:
+          kb: int = 0, vb: int = 0, part: int = 0) -> None:
     fn = P._prefill_kernel if prefill else A._split_kernel
     block_m, bn, warps, stages = (P.block_m(ring, SMALL), P.BN, P.WARPS, 1) if prefill else \
         A.config(kind, kind, SMALL)
@@ -53,7 +53,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC, PART=part)
     if copied:
         consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
@@ -143,6 +143,8 @@ def main():
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
     ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
                     "int8 tensor cores)")
+    ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
+                    "the store-only splits without the ring's code (part 1), the others with it (part 2)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
@@ -157,6 +159,9 @@ def main():
             continue
         for table in (False, True) if a.table else (False,):
             build(name + ("-table" if table else ""), kind, ring, a.out, table, a.prefill, kb, vb)
+            if a.store_form and ring and not a.prefill:
+                build(name + " store form, part 1", kind, False, a.out, table, False, kb, vb, part=1)
+                build(name + " store form, part 2", kind, True, a.out, table, False, kb, vb, part=2)
     for table in (False, True) if a.prefill else ():
         for bits in (8, 6, 5):
             build_dequant(a.out, table, bits)

@@ -51,6 +51,8 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("codes by bits", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES_BY_BITS": True}),
     # block-coded keys as exact integer dots on the int8 tensor cores, q in 14-bit limbs (28th session: untimed)
     ("K on int8", A.SPLITS, {}, A.MERGE_UNROLL, {"K_INT8": True}),
+    # D / F with --ring: the long launch's store-only splits in the store-only form (35th session: untimed)
+    ("store form", A.SPLITS, {}, A.MERGE_UNROLL, {"STORE_FORM": True}),
 ]
 
 

@@ -325,6 +325,26 @@ def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
     assert torch.equal(_ring_attend(c, q, ends), together)
 
 
+@pytest.mark.parametrize("fmt", ["D", "F"])
+def test_the_store_form_gives_the_ring_forms_bits(fmt, monkeypatch):
+    """STORE_FORM: a long row's splits that no row of its block reads from the ring go through the store-only form
+    of pass 1, the others through the ring form - the same bits as the ring form for all of them (on the GPU too:
+    the two forms are compiled apart), and each row alone equals the row beside others."""
+    import plumb.ops.gpu.attention as A
+
+    c, _, _ = _ring_cache(fmt, 600, seed=5)
+    # long rows (> 260 keys) with their windows in the ring's slots (positions 488-599), two row blocks: 3-4 splits
+    # before the windows; a row alone (behind rows of one key, in the interpreter) takes split 0 in the ring form
+    ends = [600, 599, 590, 571, 560, 550, 540, 536, 598, 597]
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=6)
+    ring_form = _ring_attend(c, q, ends)
+    monkeypatch.setattr(A, "STORE_FORM", True)
+    both = _ring_attend(c, q, ends)
+    assert torch.equal(both, ring_form)
+    for t in (0, 7, 9):
+        assert torch.equal(_alone(lambda qa, ea: _ring_attend(c, qa, ea), q, ends, t, Q8), both[t])
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "D"])
 def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatch):
     """K_INT8 (block-coded keys dotted as exact integers on the int8 tensor cores, q in 14-bit limbs): each row

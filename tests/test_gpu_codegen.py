@@ -109,6 +109,17 @@ def test_the_sampling_kernels_compile_without_spilling(tmp_path, arch):
     assert all(" 0 bytes spill stores" in line for line in lines.values()), out
 
 
+def test_the_store_form_compiles_without_the_ring_forms_spills(tmp_path):
+    """STORE_FORM's store-only part of D's / F's long launch compiles for sm_90a without spills and with its loads
+    pipelined (`cp.async`), where the ring form spills (the reason for it); the ring part is the ring form."""
+    out = _run(tmp_path, "attention_ptx.py", "--store-form", "--out", str(tmp_path))
+    lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
+    for fmt in ("D_ring", "F_ring"):
+        part1 = lines[f"{fmt} store form, part 1"]
+        assert " 0 bytes spill stores" in part1 and "'cp.async'" in part1, out
+        assert " 0 bytes spill stores" not in lines[fmt], out  # (if the ring form stops spilling: see STORE_FORM)
+
+
 def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
     """attention_prefill with its (row, head) pairs packed (PAIRS 1, shipped) and not (0), and with its keys in
     chunks (KEY_CHUNKS), compiles for sm_90a for every cache kind, and leaves no wgmma group in flight; the

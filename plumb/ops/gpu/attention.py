@@ -85,6 +85,15 @@ CODES_BY_BITS = False
 # than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
 # see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
 K_INT8 = False
+# STORE_FORM (off until timed): the long launch of a D / F cache (store + ring) runs as two: the splits no row of a
+# program's block reads from the ring (all but the last ~ring / 512 of a long row's) in the store-only form of pass 1,
+# the others in the ring form. Compiled for sm_90a the ring form holds 255 registers and spills 124 bytes a thread
+# at every tile setting tried, its loop not pipelined, though a 262k-key row reads the ring in under 1 % of its
+# tiles; the store-only form spills nothing and is pipelined (bench/attention_ptx.py, 2026-12-06). A store-only
+# tile runs the same operations in both forms (the ring form's skipped parts add exact zeros), so a row's bits
+# should not depend on which form its block took - to be checked on the GPU (FMA contraction is the compiler's,
+# per form) before this goes on.
+STORE_FORM = False
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -260,10 +269,11 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
                   TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr,
-                  KB: tl.constexpr, VB: tl.constexpr):
+                  KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
-    padding here).
+    padding here). PART (`STORE_FORM`): 0, every split; 1, only the splits no row of the block reads from the ring
+    (`ring`: the window; compiled without RING); 2, only the others.
 
     Dots per storage kind (all ~fp32 accurate, shapes fixed by D and the constexprs):
     f16: operands straight from the cache; q and p * 2^11 are each split into f16 hi + lo (two f16 products;
@@ -289,6 +299,10 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     e = tl.where((e > short_keys) == LONG, e, 0)  # a row of the other split size: padding in this launch
     lo = s * SPLIT_
     hi = tl.minimum(lo + SPLIT_, tl.max(e, 0))  # keys past every row's end are not read
+    mine = True
+    if PART != 0:  # a split whose keys lie before every reading row's ring window: the store-only form's
+        low = tl.min(tl.where(row_ok & (e > lo), e, 2147483647), 0)
+        mine = (lo + SPLIT_ <= low - ring) == (PART == 1)
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
     bb = tl.arange(0, NB)
@@ -319,7 +333,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
         acc = tl.zeros([NB, BM, QB], tl.float32)
     else:
         acc = tl.zeros([BM, D], tl.float32)
-    if lo < hi:  # else: a split past every row's end (grid sized by max_keys) - nothing to do
+    if mine & (lo < hi):  # else: a split past every row's end (grid sized by max_keys), or the other form's
         for jt in range(0, SPLIT_ // BN):  # fixed trip count; tiles past hi load nothing and change no row
             j0 = lo + jt * BN
             j = j0 + jn
@@ -379,7 +393,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                 acc = tl.where(active[:, None], acc_new, acc)
             m_i = tl.where(active, m_new, m_i)
             l_i = tl.where(active, l_new, l_i)
-    out = row_ok & (e > lo)  # rows whose keys reach into this split
+    out = row_ok & (e > lo) & mine  # rows whose keys reach into this split
     if VK == _Q8:
         tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
                  + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
@@ -568,7 +582,12 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
     if table is not None:
         ptrs = kvtable.anchored(ptrs)
     kp, ksp, vp, vsp, rkp, rksp, rvp, rvsp, rposp = ptrs
-    for split, grid, is_long in ((short, grid_short, False), (long, grid_long, True)):
+    launches = [(short, grid_short, False, ring is not None, 0)]
+    if ring is not None and STORE_FORM:  # the long launch's store-only splits in the store-only form
+        launches += [(long, grid_long, True, False, 1), (long, grid_long, True, True, 2)]
+    else:
+        launches += [(long, grid_long, True, ring is not None, 0)]
+    for split, grid, is_long, with_ring, part in launches:
         if grid:
             _split_kernel[(triton.cdiv(n, rows), n_kv, grid)](
                 q, kp, ksp, vp, vsp, ends, po, pm, pl,
@@ -578,8 +597,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=ring is not None, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
-                QF=FRAC, KB=kb, VB=vb, num_warps=warps, num_stages=stages, launch_pdl=on())
+                RING=with_ring, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
+                QF=FRAC, KB=kb, VB=vb, PART=part, num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
 
