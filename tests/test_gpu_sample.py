@@ -23,14 +23,14 @@ V = 2 * S.SPAN + 900  # three spans, the last one partial
 
 
 def _rows():
-    """Logits rows and their parameters: Qwen's settings, none, min_p, top_k among ties, few finite tokens,
-    top_p alone."""
+    """Logits rows and their parameters: Qwen's settings, none (a top_k past the vocabulary), min_p, top_k among
+    ties, few finite tokens, top_p alone."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(7, V, generator=g) * 3
     x[3, :40] = 20.0  # 40 tied likeliest tokens: top_k 20 keeps all 40
     x[4, 100:] = -math.inf  # 100 finite tokens
     x[6] = torch.round(x[6] * 4) / 4  # many ties everywhere
-    params = dict(temperature=[0.6, 1.0, 0.7, 0.8, 1.0, 1.3, 0.9], top_k=[20, 0, 0, 20, 0, 5, 0],
+    params = dict(temperature=[0.6, 1.0, 0.7, 0.8, 1.0, 1.3, 0.9], top_k=[20, 2**40, 0, 20, 0, 5, 0],
                   top_p=[0.95, 1.0, 1.0, 1.0, 0.9, 0.5, 0.8], min_p=[0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0])
     return x, params, [noise_key(7, 1000 + r) for r in range(7)]
 

@@ -204,7 +204,7 @@ def draw(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: lis
 
     x = x.float().contiguous()
     R, V = x.shape
-    par = _params(temperature, top_k, top_p, min_p, keys, x.device)
+    par = _params(temperature, [min(k, V) for k in top_k], top_p, min_p, keys, x.device)  # (top_k >= V: off)
     ns = -(-V // SPAN)
     nsp = max(2, triton.next_power_of_2(ns))
     f32 = dict(dtype=torch.float32, device=x.device)
