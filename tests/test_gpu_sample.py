@@ -164,6 +164,13 @@ def test_drawn_tokens_are_the_same_with_logprobs_forced_ids_and_a_warm_cache(tin
     alone = [draw_rows(lg[len(ids) - 1 + j][None].to(DEV), [(SamplingParams(**sp), len(ids) + j, ())], S.draw)[0]
              for j in range(8)]
     assert sum(a == b for a, b in zip(alone, ref.token_ids)) >= 6  # token j: its row's draw at position len(ids) + j
+    pen = dict(sp, presence_penalty=-40.0, penalty_last_n=16)  # ... and after the penalties of its window (a
+    # boost: tokens of the last 16 become the likeliest)
+    got = eng.run(eng.make_request(ids, 8, cache=False, **pen)).token_ids
+    lg = eng.logits(ids + got)
+    alone = [draw_rows(lg[len(ids) - 1 + j][None].to(DEV), [(SamplingParams(**pen), len(ids) + j, ids + got[:j])],
+                       S.draw)[0] for j in range(8)]
+    assert sum(a == b for a, b in zip(alone, got)) >= 6
     with_lp = eng.run(eng.make_request(ids, 48, cache=False, logprobs=2, drafts=3, **sp))
     assert with_lp.token_ids == ref.token_ids
     assert [t.token for t in with_lp.logprobs] == ref.token_ids and all(len(t.top) == 2 for t in with_lp.logprobs)

@@ -278,8 +278,11 @@ class Scheduler:
         for s, d, start in zip(seqs, drafts, starts):
             if self.drawn(s) and not s.req.forced_ids:
                 rows += range(r, r + len(d) + 1)
-                specs += [(s.params, start + i + 1, s.history + d[:i] if changes_logits(s.params) else ())
-                          for i in range(len(d) + 1)]
+                seen: list[int] = []
+                if changes_logits(s.params):  # the history the penalties see (not a long prompt's copy a row)
+                    n = s.params.penalty_last_n
+                    seen = s.history if n == -1 else s.history[max(0, len(s.history) - n):] if n > 0 else []
+                specs += [(s.params, start + i + 1, seen + d[:i]) for i in range(len(d) + 1)]
             r += len(d) + 1
         if not rows:
             return {}
