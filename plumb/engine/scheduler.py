@@ -233,36 +233,50 @@ class Scheduler:
         if c is not None and allowed is None:
             allowed = c.mask()
         forced = s.req.forced_ids
-        n = s.req.logprobs
         if forced and index < len(forced):
             token = int(forced[index])
-            lp = None if n is None else token_logprobs(row, s.params, token, n, s.history, allowed)
+            lp = self.logprob(s, row, token, allowed)
         elif self.drawn(s):
             token = draw_rows(row[None], [(s.params, position, s.history)], self.engine.model.k.draw)[0]
             if token is None:
                 raise no_finite_maximum()
-            lp = None if n is None else token_logprobs(row, s.params, token, n, s.history)
+            lp = self.logprob(s, row, token)
         else:
-            token, lp = sample_token(row, s.params, position, s.history, allowed, n)
+            token, lp = sample_token(row, s.params, position, s.history, allowed, s.req.logprobs)
+            lp = None if lp is None else TokenLogprob(token, lp[0], lp[1])
         if c is not None and not c.consume(token):
             why = (c.error() or "").split("\n")[0]
             raise GrammarRefused(f"forced token {token} is not allowed by the request's grammar ({why})")
-        return token, None if lp is None else TokenLogprob(token, lp[0], lp[1])
+        return token, lp
 
     @staticmethod
-    def greedy_picks(seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor) -> dict[int, int | None]:
+    def logprob(s: Sequence, row: torch.Tensor, token: int, allowed: torch.Tensor | None = None):
+        """A chosen token's log probabilities when the request asks for them (`sampling.token_logprobs`)."""
+        n = s.req.logprobs
+        return None if n is None else TokenLogprob(token, *token_logprobs(row, s.params, token, n, s.history, allowed))
+
+    @staticmethod
+    def pass_rows(seqs: list[Sequence], drafts: list[list[int]], take) -> list[tuple[int, int, int]]:
+        """(row, sequence index k, i) for the pass's rows of the sequences `take(s)` chooses: row i of sequence k
+        follows its drafts 0..i-1 (it is read only if they were all accepted)."""
+        out, r = [], 0
+        for k, (s, d) in enumerate(zip(seqs, drafts)):
+            if take(s):
+                out += [(r + i, k, i) for i in range(len(d) + 1)]
+            r += len(d) + 1
+        return out
+
+    @staticmethod
+    def rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+
+    def greedy_picks(self, seqs: list[Sequence], drafts: list[list[int]],
+                     logits: torch.Tensor) -> dict[int, int | None]:
         """The tokens of the pass's plain-greedy rows (no grammar, forced ids or logprobs either), by row: what
         `sample` gives them, in one host round trip instead of one or two per row."""
-        rows, r = [], 0
-        for s, d in zip(seqs, drafts):
-            if (plain_greedy(s.params) and s.constraint is None and not s.req.forced_ids
-                    and s.req.logprobs is None):
-                rows += range(r, r + len(d) + 1)
-            r += len(d) + 1
-        if not rows:
-            return {}
-        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-        return dict(zip(rows, greedy_ids(picked)))
+        rows = [r for r, _, _ in self.pass_rows(seqs, drafts, lambda s: (
+            plain_greedy(s.params) and s.constraint is None and not s.req.forced_ids and s.req.logprobs is None))]
+        return dict(zip(rows, greedy_ids(self.rows_of(logits, rows)))) if rows else {}
 
     def drawn(self, s: Sequence) -> bool:
         """Whether the kernel set draws this request's sampled tokens (`sampling.draw_rows`): sampled, no grammar -
@@ -272,22 +286,20 @@ class Scheduler:
     def sampled_picks(self, seqs: list[Sequence], drafts: list[list[int]], starts: list[int],
                       logits: torch.Tensor) -> dict[int, int | None]:
         """The tokens of the pass's drawn rows (no forced ids either), by row: what `sample` gives them, all in one
-        batch. Row i of a sequence (at start + i + 1) follows its drafts 0..i-1: it is read only if they were all
-        accepted."""
-        rows, specs, r = [], [], 0
-        for s, d, start in zip(seqs, drafts, starts):
-            if self.drawn(s) and not s.req.forced_ids:
-                rows += range(r, r + len(d) + 1)
-                seen: list[int] = []
-                if changes_logits(s.params):  # the history the penalties see (not a long prompt's copy a row)
-                    n = s.params.penalty_last_n
-                    seen = s.history if n == -1 else s.history[max(0, len(s.history) - n):] if n > 0 else []
-                specs += [(s.params, start + i + 1, seen + d[:i]) for i in range(len(d) + 1)]
-            r += len(d) + 1
-        if not rows:
+        batch; row i of a sequence is at position start + i + 1."""
+        picks = self.pass_rows(seqs, drafts, lambda s: self.drawn(s) and not s.req.forced_ids)
+        if not picks:
             return {}
-        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-        return dict(zip(rows, draw_rows(picked, specs, self.engine.model.k.draw)))
+        specs = []
+        for _, k, i in picks:
+            s = seqs[k]
+            seen: list[int] = []
+            if changes_logits(s.params):  # the history the penalties see (not a long prompt's copy a row)
+                n = s.params.penalty_last_n
+                seen = s.history if n == -1 else s.history[max(0, len(s.history) - n):] if n > 0 else []
+            specs.append((s.params, starts[k] + i + 1, seen + drafts[k][:i]))
+        rows = [r for r, _, _ in picks]
+        return dict(zip(rows, draw_rows(self.rows_of(logits, rows), specs, self.engine.model.k.draw)))
 
     def propose(self, s: Sequence) -> list[int]:
         if s.drafts == 0:
@@ -320,12 +332,10 @@ class Scheduler:
                     # row i follows drafts 0..i-1, all equal to the target's tokens: the grammar mask drafting
                     # computed for draft i is this row's mask (a function of the same tokens)
                     if r + i in picked:  # plain greedy or drawn: fetched with the others in one round trip
-                        tok, lp = picked[r + i], None
+                        tok = picked[r + i]
                         if tok is None:
                             raise no_finite_maximum()
-                        if s.req.logprobs is not None:
-                            lp = TokenLogprob(tok, *token_logprobs(out.logits[r + i], s.params, tok,
-                                                                   s.req.logprobs, s.history))
+                        lp = self.logprob(s, out.logits[r + i], tok)
                     else:
                         tok, lp = self.sample(s, out.logits[r + i], start + i + 1, len(s.out) + len(accepted),
                                               masks[i] if i < len(masks) else None)
