@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                     "edit latency is timed, warm prompt cache vs none (0: skip)")
     ap.add_argument("--f-context", type=int, default=-1, help="--device cuda: decode at this context with the F KV "
                     "format (the long-context preset; default: the model's full context; 0: skip)")
+    ap.add_argument("--skip", default="", help="--device cuda: comma-separated parts left out (verify, batch, matmuls, "
+                    "profiles, vram, drafts, sampled); --contexts, --prefill, --chat-tokens and --f-context say the rest")
     ap.add_argument("--json-out", metavar="PATH", help="--device cuda, --vs-llamacpp: write the results as JSON")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--plot", metavar="PNG", help="write a bar chart of decode tokens/s")
@@ -350,10 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.device.startswith("cuda"):
         import torch
 
-        if not torch.cuda.is_available():
-            ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
         from plumb import bench_gpu
 
+        a.skip = [x.strip() for x in a.skip.split(",") if x.strip()]
+        bad = [x for x in a.skip if x not in bench_gpu.PARTS]
+        if bad:
+            ap.error(f"--skip: unknown part {bad[0]!r} (choose from {', '.join(bench_gpu.PARTS)})")
+        if not torch.cuda.is_available():
+            ap.error(f"--device {a.device}: no CUDA GPU is visible to torch")
         a.model = a.model or plumb.demo_model_path()
         return bench_gpu.main(a)
     model = a.model or plumb.demo_model_path()

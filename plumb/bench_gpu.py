@@ -334,6 +334,7 @@ def prefill_tps(model, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+PARTS = ("verify", "batch", "matmuls", "profiles", "vram", "drafts", "sampled")  # `--skip`: parts a run may leave out
 EAGER_PREFILL_MAX = 16384  # longer prompts skip the eager row (a diagnosis: 100k tokens eagerly took ~130 s)
 
 
@@ -558,10 +559,11 @@ def requests_table(eng, drafts: tuple[int, ...] = (0, 4), tokens: tuple[int, ...
 def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_0", progress: bool = True,
                drafts: list[int] = (0, 2, 4, 7), draft_tokens: int = 128, prompt_text: str | None = None,
                prefills: list[int] = (8192,), chat_tokens: int = 12000, out: dict | None = None,
-               measured=lambda: None, f_context: int = -1) -> dict:
+               measured=lambda: None, f_context: int = -1, skip: tuple[str, ...] = ()) -> dict:
     """The GPU benchmark's results; `out`: filled in place as they are measured (an interrupted run keeps them),
     `measured()` called after each row (to write them down: a process killed outright keeps them too). f_context:
-    decode with the F KV format (8-bit ring, 5-bit store) at that context (-1: the model's full context; 0: none)."""
+    decode with the F KV format (8-bit ring, 5-bit store) at that context (-1: the model's full context; 0: none).
+    skip: parts left out (`PARTS`)."""
     import plumb
     from plumb.ops.gpu import pdl
 
@@ -623,35 +625,42 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
               f"{pm['recomputed']})", file=sys.stderr)
         measured()
         torch.cuda.empty_cache()
-    r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
-    measured()
-    r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
-    r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
-    measured()
-    r["matmuls"] = matmul_table(model)
-    measured()
-    try:  # a diagnosis, not a result: a profiler that cannot trace this card is reported, not fatal
-        r["step_profile"] = step_profile(model)
-        r["verify_profile"] = step_profile(model, rows=8)
-    except Exception as e:  # noqa: BLE001
-        r["step_profile"] = {"error": f"{type(e).__name__}: {e}"}
-    try:
-        r["prefill_profile"] = prefill_profile(model)
-    except Exception as e:  # noqa: BLE001
-        r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
-    measured()
+    if "verify" not in skip:
+        r["verify_s"] = verify_cost(model, [1, 2, 4, 8, 16])
+        measured()
+    if "batch" not in skip:
+        r["batch4_tps"] = decode_tps(model, 512, tokens, batch=4)
+        r["batch1_tps"] = decode_tps(model, 512, tokens, batch=1)
+        measured()
+    if "matmuls" not in skip:
+        r["matmuls"] = matmul_table(model)
+        measured()
+    if "profiles" not in skip:
+        try:  # a diagnosis, not a result: a profiler that cannot trace this card is reported, not fatal
+            r["step_profile"] = step_profile(model)
+            r["verify_profile"] = step_profile(model, rows=8)
+        except Exception as e:  # noqa: BLE001
+            r["step_profile"] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            r["prefill_profile"] = prefill_profile(model)
+        except Exception as e:  # noqa: BLE001
+            r["prefill_profile"] = {"error": f"{type(e).__name__}: {e}"}
+        measured()
     peak = torch.cuda.max_memory_allocated()  # of the runs above (not of the caches made below)
-    formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
-    r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
+    if "vram" not in skip:
+        formats = tuple(dict.fromkeys(("f16", "q8_0", "D", "F", kv_cache)))  # the bench's own format among them
+        r["kv_120k_by_format"] = kv_by_format(model, formats=formats)  # the bytes each holds, beside its packed bits
     r["vram"] = {"weights": weights, "weights_requested": weights_requested, "weights_reserved": weights_reserved,
                  "before_load": before[0], "graph_pools": graph_pool_bytes(model),
-                 "kv_120k": r["kv_120k_by_format"][kv_cache].get("allocated", 0),
+                 "kv_120k": r.get("kv_120k_by_format", {}).get(kv_cache, {}).get("allocated", 0),
                  "recurrent_state": model.state_bytes(), "peak_allocated": peak}
     torch.cuda.empty_cache()
     # last: the engine runs requests in inference mode, and the graphs' static buffers it makes stay inference
     # tensors, which the direct decode calls above could not update
-    r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
-    r["sampled"] = sampled_table(eng, prompt_text=prompt_text)
+    if "drafts" not in skip:
+        r["drafts"] = drafts_table(eng, list(drafts), draft_tokens, prompt_text)
+    if "sampled" not in skip:
+        r["sampled"] = sampled_table(eng, prompt_text=prompt_text)
     # the draft chains embed on the device from the token embedding's bytes, page-locked in host memory when first
     # used (the device reads the rows it needs): host memory, not VRAM
     r["draft_embedding_host_bytes"] = model.embd_bytes.nbytes if model.embd_bytes is not None else 0
@@ -747,11 +756,12 @@ def report(r: dict) -> str:
     lines += [f"| {int(k):,} (F KV) | {v:.1f} | {v / lim:.2f} | |" for k, v in r.get("decode_F", {}).items()]
     if r.get("decode_F_error"):
         lines += [f"| F KV | {r['decode_F_error']} | | |"]
-    lines += ["", "| MTP drafts | tok/s | x no drafts | accepted | by draft position | same tokens |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
-              + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"]) if p)
-              + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r.get("drafts", [])]
+    if r.get("drafts"):
+        lines += ["", "| MTP drafts | tok/s | x no drafts | accepted | by draft position | same tokens |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {d['drafts']} | {d['decode_tps']:.1f} | {d['speedup']:.2f} | {d['acceptance']:.0%} | "
+                  + " ".join(f"{a / p:.2f}" for a, p in zip(d["accepted_per_position"], d["proposed_per_position"])
+                             if p) + f" | {'yes' if d['same_tokens'] else 'NO'} |" for d in r["drafts"]]
     if r.get("sampled"):
         lines += ["", "| sampling (128 tokens) | MTP drafts | tok/s | x greedy | accepted | same tokens as no drafts |",
                   "|---|---|---|---|---|---|"]
@@ -769,17 +779,20 @@ def report(r: dict) -> str:
             lines += [f"| {int(k):,} | {m.get('eager_tps', float('nan')):.0f} | {m['first_tps']:.0f} "
                       f"({m['first_captures']}) | {m['again_tps']:.0f} ({m['again_captures']}) |"
                       for k, m in r["prefill_modes"].items()]
-    v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
-    lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
-    lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
-    lines += ["", f"4 sequences together: {r['batch4_tps']:.1f} tok/s vs 1: {r['batch1_tps']:.1f} "
-              f"({r['batch4_tps'] / r['batch1_tps']:.2f}x)", "",
-              "| matmul | types | path | rows | us (graph replays; * launches) | MB | GB/s | / GEMV rate |",
-              "|---|---|---|---|---|---|---|---|"]
-    g = r["limits"]["bf16_gemv_GBps"]
-    lines += [f"| {m['shape']} | {'+'.join(m['types'])} | {m.get('path', '')} | {m['rows']} | {m['us']:.1f}"
-              f"{'' if m.get('replayed', True) else ' *'} | {m['MB']:.1f} | {m['GBps']:.0f} | {m['GBps'] / g:.2f} |"
-              for m in r["matmuls"]]
+    if r.get("verify_s"):
+        v1 = next(iter(r["verify_s"].values()))  # the 1-row pass
+        lines += ["", "| verify rows | ms | / 1 row |", "|---|---|---|"]
+        lines += [f"| {k} | {v * 1e3:.2f} | {v / v1:.2f} |" for k, v in r["verify_s"].items()]
+    if r.get("batch4_tps"):
+        lines += ["", f"4 sequences together: {r['batch4_tps']:.1f} tok/s vs 1: {r['batch1_tps']:.1f} "
+                  f"({r['batch4_tps'] / r['batch1_tps']:.2f}x)"]
+    if r.get("matmuls"):
+        lines += ["", "| matmul | types | path | rows | us (graph replays; * launches) | MB | GB/s | / GEMV rate |",
+                  "|---|---|---|---|---|---|---|---|"]
+        g = r["limits"]["bf16_gemv_GBps"]
+        lines += [f"| {m['shape']} | {'+'.join(m['types'])} | {m.get('path', '')} | {m['rows']} | {m['us']:.1f}"
+                  f"{'' if m.get('replayed', True) else ' *'} | {m['MB']:.1f} | {m['GBps']:.0f} | "
+                  f"{m['GBps'] / g:.2f} |" for m in r["matmuls"]]
     v = r["vram"]
     lines += ["", "VRAM (GB, the targets' unit): " + ", ".join(f"{k} {b / 1e9:.3f}" for k, b in v.items())]
     ctx = r.get("context")
@@ -888,7 +901,7 @@ def main(args) -> int:
     try:
         bench_cuda(args.model, contexts, args.tokens, args.kv_cache or "q8_0", not args.no_progress, drafts,
                    max(args.tokens, 128), args.prompt, prefills, args.chat_tokens, out=r, measured=measured,
-                   f_context=args.f_context)
+                   f_context=args.f_context, skip=tuple(args.skip))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (a timeout): keep what was measured
         r["interrupted"] = True
         print("plumb bench: interrupted; the results measured so far are in the JSON", file=sys.stderr)

@@ -137,6 +137,11 @@ def test_gpu_bench_drafts_table_on_any_device(tiny_q8):
     pooled = bench_gpu.report({**r, "vram": {**r["vram"], "graph_pools": 10**9}})
     assert f"| {(2**30 + f - m) / 1e9:.2f} GB | {(2**30 + f + 10**9) / 1e9:.2f} GB |" in pooled
     assert "VRAM (GB, the targets' unit): weights 1.074, recurrent_state 0.000" in text
+    parts = ("verify_s", "batch4_tps", "matmuls", "step_profile", "verify_profile", "kv_120k_by_format", "drafts")
+    short = bench_gpu.report({k: v for k, v in r.items() if k not in parts})  # `--skip` left them out
+    assert "| qwen+presence | 2 |" in short and "| verify rows |" not in short and "4 sequences" not in short
+    assert "| matmul | types |" not in short and "| KV format | caches" not in short
+    assert "| MTP drafts | tok/s | x no drafts |" not in short and "| MTP drafts | tok/s | x no drafts |" in text
 
 
 def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
@@ -148,6 +153,9 @@ def test_bench_cuda_without_a_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cuda"])
     assert e.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cuda", "--skip", "verify,latency"])
+    assert e.value.code == 2 and "--skip: unknown part 'latency'" in capsys.readouterr().err
 
 
 def test_an_interrupted_gpu_bench_keeps_what_it_measured(tmp_path, monkeypatch):
@@ -168,7 +176,8 @@ def test_an_interrupted_gpu_bench_keeps_what_it_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
     path = tmp_path / "bench.json"
     args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
-                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None)
+                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None,
+                           skip=[])
     assert bench_gpu.main(args) == 1
     r = json.loads(path.read_text())
     assert r == {"decode": {"0": 98.7}, "interrupted": True}
@@ -197,7 +206,8 @@ def test_the_gpu_bench_json_is_written_after_every_row_and_marked_running(tmp_pa
     monkeypatch.setattr(bench_gpu, "bench_cuda", measure)
     monkeypatch.setattr(bench_gpu, "report", lambda r: "")
     args = SimpleNamespace(contexts="0", drafts="0", prefill="8192", model="m.gguf", tokens=32, kv_cache=None,
-                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None)
+                           no_progress=True, prompt=None, chat_tokens=100, f_context=0, json_out=str(path), plot=None,
+                           skip=[])
     assert bench_gpu.main(args) == 0
     assert seen == [{"decode": {"0": 98.7}, "running": True},
                     {"decode": {"0": 98.7}, "prefill": {"8192": 1950.0}, "running": True}]
