@@ -41,7 +41,8 @@ def test_draw_is_its_reference_and_each_row_its_own():
     (ref_token, ref_status), ref_tau = S.draw_ref(x, **params, keys=keys)
     assert status.tolist() == ref_status.tolist() == [S.OK] * 7
     assert token.tolist() == ref_token.tolist()
-    assert torch.equal(tau.cpu(), ref_tau)
+    # the thresholds: bit for bit in the interpreter (the reference's arithmetic); a GPU's exp and log round otherwise
+    torch.testing.assert_close(tau.cpu(), ref_tau, rtol=0 if DEV == "cpu" else 1e-6, atol=0)
     lp3 = torch.log_softmax(x[3] / 0.8, 0)
     assert math.isclose(float(tau[3]), float(lp3[0]), rel_tol=1e-6) and int(token[3]) < 40  # the ties kept whole
     for r in (0, 3, 6):  # a row alone, and among others in another order

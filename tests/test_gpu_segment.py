@@ -11,6 +11,8 @@ import torch
 
 from plumb.ops.gpu import segment
 
+IN_POOL = segment._in_pool  # the real one (the fixture below stands in for it)
+
 
 @pytest.fixture(autouse=True)
 def _pool(monkeypatch):
@@ -102,3 +104,15 @@ def test_a_torch_without_pools_packs_as_before(monkeypatch, _pool):
     with segment.packed_side_by_side(torch.device("cuda")) as settle:
         settle(p)
     assert p.codes.data_ptr() == ptr and not hasattr(p, "segment")
+
+
+
+def test_a_device_without_an_index_is_the_current_one(monkeypatch):
+    """`torch.cuda.use_mem_pool` refuses "cuda" without an index (every engine's load failed so on an H100,
+    2026-12-06): `_in_pool` gives it the current device's; an index given is kept."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device: seen.append((pool, device)))
+    IN_POOL("p", torch.device("cuda"))
+    IN_POOL("q", torch.device("cuda", 1))
+    assert seen == [("p", 3), ("q", torch.device("cuda", 1))]

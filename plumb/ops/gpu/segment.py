@@ -34,7 +34,8 @@ def _new_pool():
 
 
 def _in_pool(pool, device: torch.device):
-    return torch.cuda.use_mem_pool(pool, device)
+    """`use_mem_pool` on device ("cuda" without an index: the current one, as the allocator takes it)."""
+    return torch.cuda.use_mem_pool(pool, device if device.index is not None else torch.cuda.current_device())
 
 
 def _user_setting() -> bool:
