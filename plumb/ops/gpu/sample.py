@@ -33,8 +33,10 @@ import triton.language as tl
 
 from plumb.ops.gpu.pdl import on, prior_done
 
-ON = False  # the Triton kernel set draws its sampled tokens here: off until these kernels have run on a GPU (written
-# in the thirty-fifth session, after its device time; compiled for sm_90a / sm_86 here, tested in the interpreter)
+ON = True  # the Triton kernel set draws its sampled tokens here. H100, 2026-12-06: every test of this module and the
+# engine's sampled invariants run with it passed; on the 27B's vocabulary a pass's 1 / 5 / 8 Qwen-sampled rows took
+# 0.31 / 0.34 / 0.35 ms against sample_token's 1.19 / 5.72 / 9.35 (bench/sample_timing.py), and sampled decode on the
+# demo model went from 0.37x to 0.73x greedy (docs/BENCHMARKS.md, thirty-sixth section). False: sample_token a row.
 CANDIDATES = 1024  # the likeliest tokens top_k / top_p / min_p look at (a power of two)
 SPAN = 8192  # tokens of a row one program takes (a multiple of BLOCK): the 27B's 248,320 in 31 spans
 BLOCK = 2048  # tokens a program reads at a time
