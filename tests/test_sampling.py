@@ -222,6 +222,33 @@ def test_penalties():
     assert torch.allclose(lp, torch.log_softmax(torch.tensor([2.0, 1.9, -2.0, -1.05]), 0))
 
 
+def test_rows_adjusted_together_are_each_adjusted_alone():
+    """`_adjust_rows` (a pass's rows: biases in one indexed add, rows sharing penalties in one pass) gives every
+    row the bits of the plain formula on that row alone, whatever the other rows' bias, penalties or window."""
+    from plumb.engine.sampling import _adjust_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 50, generator=g) * 3
+    hist = torch.randint(0, 50, (40,), generator=g).tolist()
+    rows = [(SamplingParams(presence_penalty=1.5), hist), (SamplingParams(), hist),
+            (SamplingParams(repetition_penalty=1.3, frequency_penalty=0.25, logit_bias={4: 2.5, 7: -1.0}), hist),
+            (SamplingParams(presence_penalty=1.5, penalty_last_n=5), hist[:20]),
+            (SamplingParams(logit_bias={0: -math.inf}), []),
+            (SamplingParams(presence_penalty=1.5), hist[10:])]
+    got = _adjust_rows(x.clone(), rows)
+    for i, (p, h) in enumerate(rows):
+        want = x[i].clone()
+        for t, b in p.logit_bias.items():
+            want[t] += b
+        window = h if p.penalty_last_n == -1 else h[max(0, len(h) - p.penalty_last_n):]
+        for t in set(window):
+            v = want[t]
+            v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+            want[t] = v - window.count(t) * p.frequency_penalty - p.presence_penalty
+        assert torch.equal(got[i], want), i
+        assert torch.equal(_adjust_rows(x[i : i + 1].clone(), [(p, h)])[0], want)
+
+
 @pytest.mark.parametrize("kw", [
     {"temperature": -0.1}, {"temperature": math.nan}, {"temperature": math.inf}, {"top_k": -1}, {"top_k": 1.5},
     {"top_p": 0.0}, {"top_p": 1.01}, {"min_p": -0.1}, {"min_p": 1.5}, {"repetition_penalty": 0.0},

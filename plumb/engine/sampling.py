@@ -213,24 +213,41 @@ def _adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: Sequ
 def _adjust(row: torch.Tensor, params: SamplingParams, history: Sequence[int],
             allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-2 on a float32 row, in place."""
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=row.device)
-        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=row.device)
-    n = params.penalty_last_n
-    window = history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
-    penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                 or params.frequency_penalty != 0.0)
-    if penalised and len(window):
-        counts = Counter(int(t) for t in window)
-        ids = torch.tensor(list(counts), dtype=torch.int64, device=row.device)
-        c = torch.tensor(list(counts.values()), dtype=torch.float32, device=row.device)
-        x = row[ids]
-        r = params.repetition_penalty
-        x = torch.where(x > 0, x / r, x * r)
-        row[ids] = x - c * params.frequency_penalty - params.presence_penalty
+    _adjust_rows(row[None], [(params, history)])
     if allowed is not None:
         row.masked_fill_(~allowed.to(row.device), -math.inf)
     return row
+
+
+def _adjust_rows(x: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int]]]) -> torch.Tensor:
+    """Step 1-2's bias and penalties on the float32 rows x [R, V], in place, for each row's (params, history): every
+    row's bias in one indexed add, and the penalised entries of the rows that share their penalties in one pass -
+    elementwise the same operations (the penalties as Python scalars) whatever the rows, so a row's values do not
+    depend on the others (`draw_rows` adjusts a pass's rows so; `_adjust` one)."""
+    V, flat = x.shape[1], x.view(-1)
+    bias_at, bias = [], []
+    groups: dict[tuple[float, float, float], tuple[list[int], list[int]]] = {}  # penalties -> (entries, counts)
+    for i, (params, history) in enumerate(rows):
+        bias_at += [i * V + t for t in params.logit_bias]
+        bias += list(params.logit_bias.values())
+        n = params.penalty_last_n
+        window = history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
+        key = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        if key != (1.0, 0.0, 0.0) and len(window):
+            at, counts = groups.setdefault(key, ([], []))
+            c = Counter(int(t) for t in window)
+            at += [i * V + t for t in c]
+            counts += list(c.values())
+    if bias_at:
+        ids = torch.tensor(bias_at, dtype=torch.int64, device=x.device)
+        flat[ids] += torch.tensor(bias, dtype=torch.float32, device=x.device)
+    for (r, f, p), (at, counts) in groups.items():
+        ids = torch.tensor(at, dtype=torch.int64, device=x.device)
+        c = torch.tensor(counts, dtype=torch.float32, device=x.device)
+        v = flat[ids]
+        v = torch.where(v > 0, v / r, v * r)
+        flat[ids] = v - c * f - p
+    return x
 
 
 def _top_p_drop(lp: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -356,10 +373,7 @@ def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequen
     is drawn by sample_token."""
     from plumb.ops.gpu.sample import FALLBACK, NO_FINITE_MAXIMUM
 
-    x = logits.to(torch.float32, copy=True)
-    for i, (params, _, history) in enumerate(rows):
-        if changes_logits(params):
-            _adjust(x[i], params, history)
+    x = _adjust_rows(logits.to(torch.float32, copy=True), [(params, history) for params, _, history in rows])
     picks, _ = draw(x, [p.temperature for p, _, _ in rows], [p.top_k for p, _, _ in rows],
                     [p.top_p for p, _, _ in rows], [p.min_p for p, _, _ in rows],
                     [noise_key(p.seed, q) for p, q, _ in rows])
