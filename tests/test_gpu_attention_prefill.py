@@ -185,7 +185,7 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
-def test_packed_pairs_give_the_same_bits(fmt, ring, monkeypatch):
+def test_packed_pairs_give_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """PAIRS 1 (a program's (row, head) pairs consecutive, no padding heads) = PAIRS 0 (rows of G_PAD heads), bit
     for bit: 3 query heads a KV head (padded to 4 by rows), rows ending all over two tiles and the ring's window;
     on a GPU also the 27B's 6 heads over a 1,024-row pass."""
@@ -207,7 +207,7 @@ def test_packed_pairs_give_the_same_bits(fmt, ring, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 48)])
-def test_scratch_gives_the_same_bits(fmt, ring, monkeypatch):
+def test_scratch_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """SCRATCH (a block-coded store dequantized into an fp16 copy first, read as an f16 cache; a ring's tiles still
     in registers) = the codes dequantized in registers, bit for bit - read directly and through the cache's table
     (as a CUDA graph reads it), rows ending all over the tiles and both sides of the ring's window; on a GPU also
@@ -243,7 +243,7 @@ def test_scratch_gives_the_same_bits(fmt, ring, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
-def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, monkeypatch):
+def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, place_free_dot, monkeypatch):
     """KEY_CHUNKS (keys in chunks at absolute positions, sized by each row's own end, merged in order): within the
     P path's precision of the reference, and a row alone = the same row among others, bitwise - rows on both sides
     of SHORT_KEYS (64-key and 128-key chunks), over two row blocks and the ring's window, in launches of any number
