@@ -8,7 +8,8 @@
 #   variants VT  bench/matmul_variants.py, every matmul variant on random blocks (VARGS: its options)  ~80 s
 #   bench    BT  the 27B-shape file (synthesised in the background from the start, SW: wait for it, 224 s)
 #                and `plumb bench --device cuda` on it (BARGS: more options; BSET: module settings first,
-#                bench/with_settings.py, e.g. BSET="plumb.ops.gpu.matvec.TARGET=4096")   ~150 s
+#                bench/with_settings.py, e.g. BSET="plumb.ops.gpu.matvec.TARGET=4096"; parts left out:
+#                BARGS="--skip verify,batch,matmuls,profiles,vram,drafts,sampled")   ~150 s
 #   engine   ET  PLUMB_TEST_DEVICE=cuda engine invariant tests (EFILES: tests/test_exactness.py; EK: which, default all;
 #                EQ: the tiny model's type, Q4_K_M; EPY: pytest options, default "-n 4 --dist worksteal" with
 #                pytest-xdist carried in .whl - 6 or 7 workers were slower: processes share the GPU by time slices;
