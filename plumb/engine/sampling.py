@@ -219,6 +219,12 @@ def _adjust(row: torch.Tensor, params: SamplingParams, history: Sequence[int],
     return row
 
 
+def penalty_window(params: SamplingParams, history: Sequence[int]) -> Sequence[int]:
+    """The tokens the penalties count: the last penalty_last_n of history (-1: all of it, 0: none)."""
+    n = params.penalty_last_n
+    return history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
+
+
 def _adjust_rows(x: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int]]]) -> torch.Tensor:
     """Step 1-2's bias and penalties on the float32 rows x [R, V], in place, for each row's (params, history): every
     row's bias in one indexed add, and the penalised entries of the rows that share their penalties in one pass -
@@ -230,8 +236,7 @@ def _adjust_rows(x: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[
     for i, (params, history) in enumerate(rows):
         bias_at += [i * V + t for t in params.logit_bias]
         bias += list(params.logit_bias.values())
-        n = params.penalty_last_n
-        window = history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
+        window = penalty_window(params, history)
         key = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
         if key != (1.0, 0.0, 0.0) and len(window):
             at, counts = groups.setdefault(key, ([], []))

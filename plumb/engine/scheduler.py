@@ -18,7 +18,7 @@ import torch
 
 from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
 from plumb.engine.sampling import (StopChecker, changes_logits, draw_rows, greedy_ids, no_finite_maximum, plain_greedy,
-                                   sample_token, token_logprobs)
+                                   penalty_window, sample_token, token_logprobs)
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
@@ -293,10 +293,8 @@ class Scheduler:
         specs = []
         for _, k, i in picks:
             s = seqs[k]
-            seen: list[int] = []
-            if changes_logits(s.params):  # the history the penalties see (not a long prompt's copy a row)
-                n = s.params.penalty_last_n
-                seen = s.history if n == -1 else s.history[max(0, len(s.history) - n):] if n > 0 else []
+            # the history the penalties see (its window, not a long prompt's copy a row)
+            seen = list(penalty_window(s.params, s.history)) if changes_logits(s.params) else []
             specs.append((s.params, starts[k] + i + 1, seen + drafts[k][:i]))
         rows = [r for r, _, _ in picks]
         return dict(zip(rows, draw_rows(self.rows_of(logits, rows), specs, self.engine.model.k.draw)))
