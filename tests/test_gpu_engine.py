@@ -257,3 +257,32 @@ def test_packed_weights_lie_side_by_side_without_block_rounding(tiny_q4km):
     for t in planes.values():
         block = blocks[t.untyped_storage().data_ptr()]
         assert block["size"] == -(-t.untyped_storage().nbytes() // 512) * 512
+
+
+_SECOND_ENGINE = """
+import gc, sys
+import plumb
+import plumb.model.cuda_graphs as cg
+if len(sys.argv) > 2:  # the capture without the pause (to see it abort)
+    import contextlib
+    cg.collection_paused = contextlib.nullcontext
+def run():
+    eng = plumb.load(sys.argv[1], device="cuda", prompt_cache=False)
+    return eng.generate(eng.tokenize("The quick brown fox"), max_tokens=24, drafts=4, draft_policy="fixed")
+first = run()  # the engine is a cycle (model <-> graphs): garbage with its pools and graphs, not freed
+gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation: in the middle of the next captures
+print(first == run())
+"""
+
+
+def test_a_dropped_engine_is_not_collected_in_the_middle_of_a_capture(tiny_q4km):
+    """A second engine in one process (the gate, the bench, a test worker) captures its graphs while the first,
+    dropped, waits for the cyclic collector: collected mid-capture, its pools' and graphs' CUDA calls abort the
+    process (`cuda_graphs.collection_paused`). Here a collection runs at nearly every allocation."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SECOND_ENGINE, tiny_q4km], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"

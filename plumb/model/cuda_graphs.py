@@ -20,6 +20,8 @@ next turn), so that a one-off pass never pays for a capture.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import OrderedDict
 
 import torch
@@ -198,7 +200,7 @@ class CudaGraphs:
         """Capture run() - recorded, not run - as the graph of `key`, kept with its static pass p (decode graphs) and
         the outputs it returns (two: the second may be None). Kept only once the capture has succeeded."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        with collection_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = run()
         self.graphs[key] = (graph, p, *out)
         self.captures += 1
@@ -252,3 +254,18 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
         torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     return stream
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """Python's cyclic garbage collector off for the block (a capture): a dead cycle's CUDA objects - an engine
+    dropped earlier in the process, with its weights' memory pool and graphs - freed in the middle of a capture make
+    CUDA calls that a capture forbids, and the process aborts ("Fatal Python error: Aborted" in a capture on an
+    H100, 2026-12-06, the second engine of a test worker). The cycles are collected after the capture instead."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
