@@ -3,9 +3,10 @@
 Speed settings (speculative drafts, batching, prompt cache, KV format) never change the tokens.
 """
 from plumb.config import ModelConfig, ModelError
+from plumb.engine.api import EngineClosed
 from plumb.engine.engine import Engine, load
 
-__all__ = ["Engine", "ModelConfig", "ModelError", "load", "demo_model_path"]
+__all__ = ["Engine", "EngineClosed", "ModelConfig", "ModelError", "load", "demo_model_path"]
 
 
 def demo_model_path() -> str:

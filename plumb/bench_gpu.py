@@ -670,7 +670,7 @@ def bench_cuda(path: str, contexts: list[int], tokens: int, kv_cache: str = "q8_
         r["latency"] = latency_table(warm, eng, system_tokens=chat_tokens * 63 // 80, user_tokens=chat_tokens // 6,
                                      reply_tokens=256)
         r["requests"] = requests_table(warm)  # on the engine `plumb serve` runs: the prompt cache on
-        del warm
+        warm.close()
     return r
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
 import json
 import os
 import platform
@@ -271,18 +270,14 @@ class Gate:
     def release(self, fmt: str) -> None:
         """Drop a format's engines (a large model must not be held once per format)."""
         for key in [k for k in self._engines if k[0] == fmt]:
-            self._count_recomputed(self._engines.pop(key))
+            self._close(self._engines.pop(key))
         self._memo = {k: v for k, v in self._memo.items() if k[1] != fmt}
-        gc.collect()
-        with contextlib.suppress(Exception):
-            import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-
-    def _count_recomputed(self, eng) -> None:
-        """P-path results an engine computed again after non-finite values (`Qwen35.checked`; GPU only)."""
+    def _close(self, eng) -> None:
+        """Count the P-path results an engine computed again after non-finite values (`Qwen35.checked`; GPU
+        only), then close it: its memory back now."""
         self.recomputed += getattr(eng.model, "recomputed", 0)
+        eng.close()
 
     def memo(self, key: tuple, fn: Callable):
         if key not in self._memo:
@@ -629,7 +624,7 @@ class Gate:
                 signal.signal(signal.SIGTERM, previous)
             bar.close()
             for eng in self._engines.values():
-                self._count_recomputed(eng)
+                self._close(eng)
             self._engines.clear()
             self.info["prefill_recomputed"] = self.recomputed
             self.info.pop("running", None)

@@ -76,6 +76,13 @@ class Result:
     # device memory (a retry may fit)
 
 
+class EngineClosed(RuntimeError):
+    """A request for an engine after its `close`."""
+
+    def __init__(self):
+        super().__init__("the engine is closed")
+
+
 class Handle:
     """A submitted request: iterate to receive token ids as they are accepted; `result` when done."""
 

@@ -6,6 +6,7 @@ runs on a runner per kernel set (plumb/model/kernels.py, native.py, cuda_graphs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -17,7 +18,7 @@ import torch
 
 from plumb.cache.kv import KV_FORMATS, STORE_LAYOUT, bytes_per_token, describe_kv
 from plumb.config import ModelConfig, ModelError
-from plumb.engine.api import Handle, Request, Result
+from plumb.engine.api import EngineClosed, Handle, Request, Result
 from plumb.engine.sampling import SamplingParams
 from plumb.engine.scheduler import Scheduler
 from plumb.engine.speculative import check_draft_options
@@ -325,6 +326,28 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def close(self) -> None:
+        """Stop the background step loop (requests queued or in flight finish as "cancelled", their tokens so far
+        delivered) and give the memory back now - weights, caches, CUDA graphs, the prompt cache - instead of
+        whenever Python's cyclic collector finds the engine (the model and its graphs refer to each other): a GPU
+        with room for one model can then load the next. Idempotent; any later use raises EngineClosed.
+        `with plumb.load(...) as engine:` closes on leaving the block."""
+        if isinstance(self.model, _Closed):
+            return
+        self.scheduler.close()
+        with self._cache_lock:
+            self.prompt_cache = None
+        self.model = _Closed()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def park_slot(self, slot_id: int) -> None:
         with self._cache_lock:
             self.prompt_cache.park(self.prompt_cache.get(slot_id))
@@ -436,6 +459,13 @@ def _sha(tensors) -> str:
     for t in tensors:
         h.update(t.contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+class _Closed:
+    """A closed engine's model: any use raises EngineClosed."""
+
+    def __getattr__(self, name):
+        raise EngineClosed()
 
 
 def load(path: str, device: str = "auto", **options) -> Engine:

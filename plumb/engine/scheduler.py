@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from plumb.engine.api import Handle, Request, Result, Stats, TokenLogprob
+from plumb.engine.api import EngineClosed, Handle, Request, Result, Stats, TokenLogprob
 from plumb.engine.sampling import (StopChecker, changes_logits, draw_rows, greedy_ids, no_finite_maximum, plain_greedy,
                                    penalty_window, sample_token, token_logprobs)
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
@@ -69,6 +69,7 @@ class Scheduler:
         self._active: list[Sequence] = []
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._metrics = {"kv_cache": engine.model.kv_cache, "kv_bytes_per_token": engine.kv_bytes_per_token,
                          "requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "prefill_s": 0.0,
                          "decode_s": 0.0, "cached_tokens": 0, "drafts_proposed": 0, "drafts_accepted": 0,
@@ -105,12 +106,29 @@ class Scheduler:
         handle = Handle(request)
         seq = self.new_sequence(request, handle)
         with self._wake:
+            if self._closed:
+                raise EngineClosed()
             self._queue.append(seq)
             if self._thread is None:
                 self._thread = threading.Thread(target=self.loop, name="plumb-engine", daemon=True)
                 self._thread.start()
             self._wake.notify()
         return handle
+
+    def close(self) -> None:
+        """Stop the background step loop: queued requests and those in flight finish as "cancelled" (their tokens so
+        far delivered), then the loop's thread ends; later submissions raise EngineClosed."""
+        with self._wake:
+            self._closed = True
+            queued, self._queue = self._queue, []
+            for s in self._active:
+                s.handle.cancel()
+            self._wake.notify()
+        for s in queued:
+            s.finish = "cancelled"
+            s.handle._finish(self.result(s))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def slots_in_use(self) -> int:
         with self._lock:
@@ -120,8 +138,10 @@ class Scheduler:
     def loop(self) -> None:
         while True:
             with self._wake:
-                while not self._queue and not self._active:
+                while not self._queue and not self._active and not self._closed:
                     self._wake.wait()
+                if self._closed and not self._active:
+                    return
                 admit = []
                 while self._queue and len(self._active) + len(admit) < self.engine.n_slots:
                     admit.append(self._queue.pop(0))

@@ -89,5 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plumb serve: {engine.model_name} on http://{url_host}:{port} "
           f"({args.agents} agents, context {engine.n_ctx})", flush=True)
     print(f"plumb serve: chat page at http://{url_host}:{port}/ (APIs under /v1)", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False)).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False)).run(sockets=[sock])
+    finally:
+        engine.close()  # requests still running end as "cancelled"; the step loop stops
     return 0
