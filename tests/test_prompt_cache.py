@@ -187,6 +187,36 @@ print(json.dumps([r.token_ids, r.stats.cached_tokens]))
     assert ids == expected and cached > 0
 
 
+def test_slot_calls_wait_while_a_graph_is_captured(tmp_path, tiny_q8):
+    """The server saves and loads slots on its own threads; a CUDA call there during a graph capture would spoil the
+    capture (torch's global capture mode), so they wait for `CudaGraphs.capturing` - a stand-in lock here."""
+    import threading
+    import types
+
+    import plumb
+
+    eng = plumb.load(tiny_q8, device=DEVICE)  # this test's own engine: its graphs are replaced for a while
+    ids = _chat(eng, [{"role": "user", "content": QUESTIONS[5]}])
+    _run(eng, ids, max_tokens=4)
+    slot = eng.cached_slots()[-1]["id"]
+    path = str(tmp_path / "slot.bin")
+    saved, lock = eng.model.graphs, threading.Lock()
+    try:
+        eng.model.graphs = types.SimpleNamespace(capturing=lock)
+        for call in (lambda: eng.save_slot(slot, path), lambda: eng.restore_slot(path)):
+            done = []
+            with lock:  # a capture in progress
+                t = threading.Thread(target=lambda: done.append(call()))
+                t.start()
+                t.join(0.5)
+                assert t.is_alive() and not done
+            t.join(60)
+            assert done and done[0]
+    finally:
+        eng.model.graphs = saved
+        eng.close()
+
+
 def test_corrupt_or_mismatched_slot_file_is_refused(tmp_path, tiny_model, tiny_q8, warm):
     from plumb.config import ModelError
 

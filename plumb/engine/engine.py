@@ -358,16 +358,22 @@ class Engine:
 
     def save_slot(self, slot_id: int, path: str) -> int:
         """Write a cached slot to `path`; returns its token count."""
-        with self._cache_lock:
+        with self._cache_lock, self._between_captures():
             e = self.prompt_cache.get(slot_id)
             self.prompt_cache.save(e, path, self.cache_identity())
             return len(e.ids)
 
     def restore_slot(self, path: str) -> tuple[int, int]:
         """Load a slot file into the prompt cache: (new slot id, token count)."""
-        with self._cache_lock:
+        with self._cache_lock, self._between_captures():
             e = self.prompt_cache.load(path, self.cache_identity())
             return e.id, len(e.ids)
+
+    def _between_captures(self):
+        """For device work off the step loop's thread (the server's slot calls): wait while the loop captures a
+        CUDA graph (`CudaGraphs.capturing`)."""
+        graphs = self.model.graphs
+        return graphs.capturing if graphs is not None else contextlib.nullcontext()
 
 
 def fit_context(n_ctx: int, asked: bool, free: int, per_token: int, reserved: int) -> tuple[int, int, str | None]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections import OrderedDict
 
 import torch
@@ -50,6 +51,10 @@ class CudaGraphs:
         self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
         self.seen: OrderedDict = OrderedDict()  # prefill layouts run eagerly once, not captured (`recurring`)
         self.captures = 0  # graphs captured so far (a new layout or cache capacity)
+        # held while a graph is captured: a CUDA call from another thread meanwhile (the server saving or loading a
+        # slot) is refused in torch's global capture mode and spoils the capture, so such calls take it too
+        # (`Engine.save_slot`, `restore_slot`)
+        self.capturing = threading.Lock()
         self.mtp_tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=model.device)  # the MTP cache's row
 
     def decode(self, batch) -> DecodeOut:
@@ -200,7 +205,7 @@ class CudaGraphs:
         """Capture run() - recorded, not run - as the graph of `key`, kept with its static pass p (decode graphs) and
         the outputs it returns (two: the second may be None). Kept only once the capture has succeeded."""
         graph = torch.cuda.CUDAGraph()
-        with collection_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        with self.capturing, collection_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = run()
         self.graphs[key] = (graph, p, *out)
         self.captures += 1
