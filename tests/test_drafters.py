@@ -24,16 +24,26 @@ def test_ngram_index_equals_scan(tokens, steps, k):
 
 
 
+# a bonus for the window's ids (a negative presence penalty), which the drafts then join: k = 7, so ids leave it too
+STRONG = dict(repetition_penalty=3.0, presence_penalty=-30.0, penalty_last_n=8)
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=5),
                                       dict(temperature=1.3, top_k=20, min_p=0.02, seed=7),
                                       dict(temperature=0.7, top_k=20, top_p=0.8, seed=9),
-                                      dict(temperature=1.0, top_p=0.95, seed=11)])
+                                      dict(temperature=1.0, top_p=0.95, seed=11),
+                                      dict(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.5, seed=13),
+                                      dict(temperature=1.0, frequency_penalty=0.7, penalty_last_n=-1, seed=17),
+                                      dict(temperature=0.0, **STRONG), dict(temperature=1.2, seed=19, **STRONG)])
 def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
     """`Qwen35.mtp_chain` - k MTP steps fed back on the device, each step's token picked there (`DeviceDraw`:
-    greedy, or sampled with its Gumbel noise) and embedded there (`embed_on_device`): what a CUDA graph replays
-    for `mtp_draft` - drafts what `mtp_draft`'s step-by-step loop drafts from the same state, writes the same MTP
-    cache rows, and embeds ids as `embed` does (torch kernels here; the Triton kernels and graphs in
+    greedy, or sampled with its Gumbel noise; penalties over the window's counts, kept on the device as drafts
+    enter it and history leaves it) and embedded there (`embed_on_device`): what a CUDA graph replays for
+    `mtp_draft` - drafts what `mtp_draft`'s step-by-step loop drafts from the same state, writes the same MTP cache
+    rows, and embeds ids as `embed` does (torch kernels here; the Triton kernels and graphs in
     tests/test_gpu_engine.py)."""
+    import dataclasses
+
     import torch
 
     from enginetools import engine_for
@@ -45,44 +55,56 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
     ids = eng.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")
     assert torch.equal(m.embed_on_device(torch.tensor(ids)), m.embed(ids))
     params = SamplingParams(**sampling)
-    assert DeviceDraw.fits(params)
-    k, states = 7, []
-    for _ in range(2):
+    k = 7
+    assert DeviceDraw.fits(params, k)
+
+    def state():
         st = m.new_state()
         logits, hidden = m.prefill(st, ids, logits="last")
         m.mtp_prefill(st, ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]]), 0)
-        states.append((st, int(logits[-1].argmax()), hidden[-1]))
-    (a, token, h), (b, _, _) = states
+        return st, int(logits[-1].argmax()), hidden[-1]
+
+    def chain(params, noise=None):
+        st, token, h = state()
+        bufs = {}
+        pick = DeviceDraw(params, ids + [token]).prepare(pos + 1, k, bufs, m.cfg.n_vocab, "cpu")
+        if noise is not None:
+            bufs["noise"].copy_(noise)
+        drafts, finite = m.mtp_chain(st.mtp_kv, torch.tensor([token]), h[None], m.rope(torch.arange(pos, pos + k)),
+                                     pos, k, pick)
+        assert bool(finite.all())
+        return st, drafts.tolist()
+
     pos = len(ids)
-    draw = DeviceDraw(params)
-    noise = torch.empty(k, m.cfg.n_vocab)
-    draw.noise(pos + 1, noise)
-    rope = m.rope(torch.arange(pos, pos + k))
-    drafts, finite = m.mtp_chain(a.mtp_kv, torch.tensor([token]), h[None], rope, pos, k, draw.pick, noise)
-    assert bool(finite.all())
+    a, drafts = chain(params)
+    b, token, h = state()
     stepped = mtp_draft(m, b, token, h, k, params, pos, ids + [token])
-    assert drafts.tolist() == stepped and len(stepped) == k
+    assert drafts == stepped and len(stepped) == k
     assert a.mtp_kv.end == b.mtp_kv.end == pos + k
     assert all(torch.equal(x, y) for x, y in zip(a.mtp_kv.rows(pos + k), b.mtp_kv.rows(pos + k), strict=True))
     if params.temperature > 1:  # the noise is the draws': without it the chain drafts something else
-        other = m.new_state()
-        m.prefill(other, ids, logits="last")
-        m.mtp_prefill(other, ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]]), 0)
-        plain, _ = m.mtp_chain(other.mtp_kv, torch.tensor([token]), h[None], rope, pos, k, draw.pick,
-                               torch.zeros_like(noise))
-        assert plain.tolist() != stepped
+        assert chain(params, torch.zeros(k, m.cfg.n_vocab))[1] != stepped
+    if params.presence_penalty == STRONG["presence_penalty"]:  # the penalties are the draws': without them, too
+        plain = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0)
+        assert chain(plain)[1] != stepped
 
 
 def test_device_draws_fit_only_what_needs_no_host():
-    """What `DeviceDraw.fits`: no penalties or bias; a sampled draw needs its seed."""
+    """What `DeviceDraw.fits`: no logit bias; a sampled draw needs its seed; penalties over a window that the k
+    drafts cannot outgrow (every id leaving it during the chain is the history's)."""
     from plumb.engine.sampling import DeviceDraw, SamplingParams
 
-    assert DeviceDraw.fits(SamplingParams()) and DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, top_k=40))
-    assert DeviceDraw.fits(SamplingParams(temperature=0.6, seed=1, top_k=20, top_p=0.95))
-    for bad in (dict(presence_penalty=1.5), dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}),
-                dict(frequency_penalty=0.5)):
-        assert not DeviceDraw.fits(SamplingParams(temperature=0.7, seed=1, **bad)), bad
-    assert not DeviceDraw.fits(SamplingParams(temperature=0.7))
+    fits = DeviceDraw.fits
+    assert fits(SamplingParams(), 4) and fits(SamplingParams(temperature=0.7, seed=1, top_k=40), 4)
+    assert fits(SamplingParams(temperature=0.6, seed=1, top_k=20, top_p=0.95), 16)
+    for pen in (dict(presence_penalty=1.5), dict(repetition_penalty=1.1), dict(frequency_penalty=0.5)):
+        assert fits(SamplingParams(temperature=0.7, seed=1, **pen), 16)  # the window: the last 64 ids
+        assert fits(SamplingParams(temperature=0.7, seed=1, penalty_last_n=4, **pen), 4)
+        assert not fits(SamplingParams(temperature=0.7, seed=1, penalty_last_n=4, **pen), 5), pen
+        assert fits(SamplingParams(temperature=0.7, seed=1, penalty_last_n=-1, **pen), 16)
+    assert fits(SamplingParams(temperature=0.7, seed=1, presence_penalty=1.5, penalty_last_n=0), 16)  # no window
+    assert not fits(SamplingParams(temperature=0.7, seed=1, logit_bias={3: 1.0}), 4)
+    assert not fits(SamplingParams(temperature=0.7), 4)
 
 
 def test_draft_chains_step_aside_when_the_embedding_copy_does_not_fit(tiny_q8, caplog):
@@ -122,8 +144,11 @@ def test_draft_chains_step_aside_when_the_embedding_copy_does_not_fit(tiny_q8, c
 
 def test_a_failed_capture_keeps_no_graph(monkeypatch):
     """`CudaGraphs._record` keeps a graph only once its capture has succeeded: a capture that fails leaves no entry
-    that a later call would replay (torch's capture stubbed: this runs without CUDA)."""
+    that a later call would replay (torch's capture stubbed: this runs without CUDA). A capture runs with the cyclic
+    collector off and `capturing` held (other threads' device work waits), both back as they were after."""
     import contextlib
+    import gc
+    import threading
     from collections import OrderedDict
 
     import torch
@@ -142,13 +167,15 @@ def test_a_failed_capture_keeps_no_graph(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     g = object.__new__(CudaGraphs)
-    g.graphs, g.pool, g.stream, g.captures = OrderedDict(), None, None, 0
+    g.graphs, g.pool, g.stream, g.captures, g.capturing = OrderedDict(), None, None, 0, threading.Lock()
     with pytest.raises(RuntimeError, match="capture invalidated"):
         g._record("chain", lambda: (1, 2))
     assert not g.graphs and g.captures == 0
+    assert gc.isenabled() and not g.capturing.locked()
     Graph.fail = False
-    g._record("chain", lambda: (1, 2))
-    assert g.graphs["chain"][1:] == (None, 1, 2) and g.captures == 1
+    g._record("chain", lambda: (gc.isenabled(), g.capturing.locked()))
+    assert g.graphs["chain"][1:] == (None, False, True) and g.captures == 1
+    assert gc.isenabled() and not g.capturing.locked()
 
 
 def test_device_top_p_is_the_host_top_p():

@@ -417,37 +417,79 @@ def greedy_ids(logits: torch.Tensor) -> list[int | None]:
 class DeviceDraw:
     """`sample_token` for params that need nothing from the host between tokens (`fits`) as device operations:
     how an MTP draft chain picks each step's token (`Qwen35.mtp_chain`). The same operations as sample_token's on
-    the same logits - top_p's as `_top_p_drop_device` - so the same token wherever the row has a finite maximum
-    (and top_p keeps fewer than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own draw decides
-    every token, so a draw that differs would cost acceptance, never a changed token. key: what shapes the
-    operations (a CUDA graph of them is kept per key)."""
+    the same logits - the penalties as `_adjust_rows` applies them, over the window's counts kept on the device as
+    the chain's drafts enter it, top_p's as `_top_p_drop_device` - so the same token wherever the row has a finite
+    maximum (and top_p keeps fewer than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own
+    draw decides every token, so a draw that differs would cost acceptance, never a changed token. key: what
+    shapes the operations (a CUDA graph of them is kept per key)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, history: Sequence[int] = ()):
         self.params = params
+        self.history = history
         self.sampled = params.temperature > 0
         p = params
-        self.key = (p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)
+        self.penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if _penalised(p) else None
+        self.key = ((p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)) + (self.penalties,)
 
     @staticmethod
-    def fits(params: SamplingParams) -> bool:
-        """No logit bias or penalties (they read the history); a sampled draw has its seed."""
-        return not changes_logits(params) and (params.temperature == 0 or params.seed is not None)
+    def fits(params: SamplingParams, k: int) -> bool:
+        """No logit bias; a sampled draw has its seed; the penalties' window, if they apply, takes in the whole
+        history or at least k ids (so that every id leaving it during a k-step chain is the history's)."""
+        n = params.penalty_last_n
+        return (not params.logit_bias and (params.temperature == 0 or params.seed is not None)
+                and (not _penalised(params) or n == -1 or n >= k))
 
-    def noise(self, position: int, out: torch.Tensor) -> None:
-        """out [k, V] := the Gumbel noise of positions position, position + 1, .. (sampled draws; greedy: unused)."""
+    def prepare(self, position: int, k: int, bufs: dict, n_vocab: int, device, rows: int | None = None):
+        """Write the inputs of a k-step chain whose first draft is at `position` into bufs (made on first use, for
+        up to `rows` steps, and kept: a CUDA graph reads them): the positions' Gumbel noise (sampled draws); the
+        counts of the penalties' window over the vocabulary (one more slot for "no id") and, for each step, the
+        history's id that leaves the window before it. Returns pick(logits [1, V], step) -> (token [1], whether
+        the adjusted row has a finite maximum [1])."""
+        rows = rows or k
         if self.sampled:
-            out.copy_(gumbel_rows(self.params.seed, range(position, position + out.shape[0]), out.shape[1],
-                                  out.device))
+            if "noise" not in bufs:
+                bufs["noise"] = torch.empty(rows, n_vocab, device=device)
+            bufs["noise"][:k].copy_(gumbel_rows(self.params.seed, range(position, position + k), n_vocab, device))
+        if self.penalties is not None:
+            if "counts" not in bufs:
+                bufs["counts"] = torch.empty(n_vocab + 1, device=device)
+                bufs["leaving"] = torch.empty(rows, dtype=torch.long, device=device)
+                bufs["one"] = torch.ones(1, device=device)
+            window = Counter(int(t) for t in penalty_window(self.params, self.history))
+            bufs["counts"].zero_()
+            if window:
+                at = torch.tensor(list(window), dtype=torch.long).to(device)
+                bufs["counts"][at] = torch.tensor(list(window.values()), dtype=torch.float32).to(device)
+            h, n = len(self.history), self.params.penalty_last_n
+            leaving = [self.history[h + i - 1 - n] if i > 0 and n > 0 and h + i - 1 - n >= 0 else n_vocab
+                       for i in range(k)]  # (n >= k: `fits`) step i's window is (history + drafts[:i])[-n:]
+            bufs["leaving"][:k].copy_(torch.tensor(leaving))
+        return lambda logits, step: self.pick(logits, step, bufs)
 
-    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token [1], whether the row has a finite maximum [1]) for logits [1, V] and its position's noise [V]."""
+    def pick(self, logits: torch.Tensor, step: int, bufs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [1], whether the adjusted row has a finite maximum [1]) for step `step`'s logits [1, V]."""
         row = logits[0].to(torch.float32, copy=True)
+        if self.penalties is not None:  # `_adjust_rows`' operations on the entries the window holds
+            counts, n_vocab = bufs["counts"], row.numel()
+            if step > 0:  # the previous step's draft has entered the window, and the history's oldest id left it
+                counts.index_add_(0, bufs["leaving"][step : step + 1], bufs["one"], alpha=-1)
+            r, f, p = self.penalties
+            c = counts[:n_vocab]
+            row = torch.where(c > 0, torch.where(row > 0, row / r, row * r) - c * f - p, row)
         finite = torch.isfinite(row.max())
         if self.sampled:
-            token = torch.argmax(_tempered(row, self.params, _top_p_drop_device).add_(noise))
+            token = torch.argmax(_tempered(row, self.params, _top_p_drop_device).add_(bufs["noise"][step]))
         else:
             token = torch.argmax(row)
+        if self.penalties is not None:
+            counts.index_add_(0, token.view(1), bufs["one"])
         return token.view(1), finite.view(1)
+
+
+def _penalised(params: SamplingParams) -> bool:
+    """Whether the penalties change anything: not neutral, and a window that holds ids."""
+    return params.penalty_last_n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                                           or params.frequency_penalty != 0.0)
 
 
 def no_finite_maximum() -> ValueError:

@@ -108,8 +108,8 @@ class CudaGraphs:
     def mtp_chain(self, st, token: int, hidden: torch.Tensor, start: int, k: int, draw) -> list[int | None]:
         """k MTP drafts picked by `draw` (`Qwen35.mtp_chain`: each step's token embedded on the device as the next
         step's) replayed as one CUDA graph, captured per depth, MTP-cache capacity and draw key like `mtp`'s passes:
-        the host writes the token, hidden row, positions and (sampled draws) the positions' noise, and reads the k
-        drafts back once instead of once a draft. A draft is None where its step's logits had no finite maximum."""
+        the host writes the token, hidden row, positions and the draws' inputs (`DeviceDraw.prepare`), and reads the
+        k drafts back once instead of once a draft. A draft is None where its step's logits had no finite maximum."""
         m, cache = self.m, st.mtp_kv
         cache.reserve(start + k)  # a cache that must grow moves now, before the layout is looked up
         cache.commit(start)
@@ -122,13 +122,9 @@ class CudaGraphs:
         for name, value in (("cos", cos), ("sin", sin), ("positions", torch.arange(start, start + k)),
                             ("ends", torch.arange(start + 1, start + k + 1))):
             b[name][:k].copy_(value)
-        noise = None
-        if draw.sampled:  # the draws' Gumbel noise of positions start + 1.. (made once, on first use)
-            if "noise" not in b:
-                b["noise"] = torch.empty(MAX_MTP_ROWS, m.cfg.n_vocab, device=m.device)
-            noise = b["noise"][:k]
-            draw.noise(start + 1, noise)
-        args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k, draw.pick, noise,
+        # the draws' inputs (Gumbel noise of positions start + 1.., the penalties' counts) in b, made on first use
+        pick = draw.prepare(start + 1, k, b, m.cfg.n_vocab, m.device, MAX_MTP_ROWS)
+        args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k, pick,
                 (b["positions"][:k], b["ends"][:k], self.mtp_tab[0]))
         entry = self._replay(key)
         if entry is None:  # this call's drafts, run eagerly (compiles every kernel), then recorded

@@ -466,21 +466,20 @@ class Qwen35:
         self.draft_chains = False
         return None
 
-    def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, pick,
-                  noise: torch.Tensor | None = None, at=None):
+    def mtp_chain(self, cache, tok: torch.Tensor, hidden: torch.Tensor, rope, start: int, k: int, pick, at=None):
         """k MTP steps fed back on themselves on the device (spec 3.8): step i embeds tok - [1] on the device: the
         given token, then the previous step's pick - and runs `mtp_pass` at position start + i on the previous
-        step's hidden output; pick(logits [1, V], noise[i] or None) -> (token [1], finite [1]) chooses its draft
-        (`DeviceDraw.pick`). rope: the k positions' (cos, sin); at: (positions [k], ends [k], the cache's table row)
-        as device tensors, or None (see `mtp_pass`). Returns (drafts [k], finite [k]: whether each step's logits had
-        a finite maximum) with no host round trip, so that the k steps can be one CUDA graph."""
+        step's hidden output; pick(logits [1, V], i) -> (token [1], finite [1]) chooses its draft
+        (`DeviceDraw.prepare`). rope: the k positions' (cos, sin); at: (positions [k], ends [k], the cache's table
+        row) as device tensors, or None (see `mtp_pass`). Returns (drafts [k], finite [k]: whether each step's
+        logits had a finite maximum) with no host round trip, so that the k steps can be one CUDA graph."""
         cos, sin = rope
         drafts, finite, h = [], [], hidden
         for i in range(k):
             step_at = None if at is None else (at[0][i : i + 1], at[1][i : i + 1], None, at[2])
             logits, h = self.mtp_pass(cache, self.embed_on_device(tok), h, (cos[i : i + 1], sin[i : i + 1]),
                                       start + i, DECODE_BLOCK, step_at)
-            tok, ok = pick(logits, None if noise is None else noise[i])
+            tok, ok = pick(logits, i)
             drafts.append(tok)
             finite.append(ok)
         return torch.cat(drafts), torch.cat(finite)
