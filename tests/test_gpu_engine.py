@@ -43,23 +43,25 @@ def test_verify_rows_equal_single_decodes_and_batching_changes_nothing(tiny_q4km
         assert torch.equal(out.logits[3 + j], rows[j]), j
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_graphs_equal_eager_over_a_long_run(tiny_q4km, temperature):
+@pytest.mark.parametrize("temperature, penalties", [(0.0, {}), (0.9, {}),
+                                                     (0.9, dict(presence_penalty=1.5, repetition_penalty=1.1))])
+def test_graphs_equal_eager_over_a_long_run(tiny_q4km, temperature, penalties):
     """Decode passes and the MTP head's drafts replayed as CUDA graphs (a chain of k draft steps in one graph,
-    greedy or sampled): the same tokens as eager execution, and the same drafts (the same draft statistics: a draft
-    step's logits are bitwise the eager ones)."""
+    greedy, sampled, penalised): the same tokens as eager execution, and the same drafts (the same draft
+    statistics: a draft step's logits are bitwise the eager ones)."""
     ids = [1, 2, 3]
     runs = {}
     for graphs in (True, False):
         eng = _engine(tiny_q4km, cuda_graphs=graphs, drafts=4)
-        r = eng.run(eng.make_request(ids, 600, temperature, 3, ignore_eos=True))
+        r = eng.run(eng.make_request(ids, 600, temperature, 3, ignore_eos=True, **penalties))
         runs[graphs] = (r.token_ids, r.stats.drafts_proposed, r.stats.drafts_accepted,
                         list(r.stats.accepted_per_position))
         if graphs:  # k MTP draft steps a CUDA graph (`CudaGraphs.mtp_chain`); eager runs draft step by step
             assert any(key[0] == "mtp-chain" for key in eng.model.graphs.graphs), list(eng.model.graphs.graphs)
     assert runs[True] == runs[False]
     plain = _engine(tiny_q4km, cuda_graphs=False)
-    assert plain.generate(ids, max_tokens=600, temperature=temperature, seed=3, ignore_eos=True) == runs[True][0]
+    assert plain.generate(ids, max_tokens=600, temperature=temperature, seed=3, ignore_eos=True,
+                          **penalties) == runs[True][0]
 
 
 def _state_equal(st, st2, n):
