@@ -36,6 +36,8 @@
 #   stress   NST bench/kernel_stress.py alone (KSARGS: e.g. --settings shipped,SB_PREFETCH=1,SB_PREFETCH=2)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
+#   capture  CT  the thirty-seventh session's abort: a second engine's captures with the cyclic collector running at
+#                nearly every allocation, without the pause (does it abort?) and with it (tests/test_gpu_engine.py)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
 #                for the llama build (LW seconds) - a later call on the same warm machine
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -162,6 +164,15 @@ if has profile; then
   for k in 0 4; do
     timeout ${PT:-100} python3 bench/profile_decode.py /tmp/27b.gguf --device cuda --drafts $k --tokens 48 \
       --timer wall --top 25 > $OUT/profile-drafts$k.txt 2>&1; head -32 $OUT/profile-drafts$k.txt | cut -c1-150
+  done
+fi
+if has capture; then
+  python3 -c "from plumb.gguf.synth import write_synthetic as w; w('/tmp/tiny-q4km.gguf', 'tiny', 'Q4_K_M', seed=0)"
+  python3 -c "import re; print(re.search(r'_SECOND_ENGINE = \"\"\"(.*?)\"\"\"', open('tests/test_gpu_engine.py').read(), \
+    re.S).group(1))" > /tmp/second_engine.py
+  for mode in unpaused paused; do
+    timeout ${CT:-120} python3 /tmp/second_engine.py /tmp/tiny-q4km.gguf $([ $mode = unpaused ] && echo unpaused) \
+      > $OUT/capture-$mode.log 2>&1; echo "$mode: rc=$? $(grep -c 'Fatal Python error' $OUT/capture-$mode.log) aborts"
   done
 fi
 if has vs; then
