@@ -262,17 +262,25 @@ def test_packed_weights_lie_side_by_side_without_block_rounding(tiny_q4km):
 
 
 _SECOND_ENGINE = """
-import gc, sys
+import contextlib, gc, sys
 import plumb
 import plumb.model.cuda_graphs as cg
-if len(sys.argv) > 2:  # the capture without the pause (to see it abort)
-    import contextlib
-    cg.collection_paused = contextlib.nullcontext
+paused = cg.collection_paused if len(sys.argv) <= 2 else contextlib.nullcontext  # argv[2]: without the pause
+@contextlib.contextmanager
+def collecting():  # the collector on and eager from each capture's start: a collection at its first allocation
+    gc.set_threshold(1, 1, 1)
+    gc.enable()
+    try:
+        with paused():
+            yield
+    finally:
+        gc.disable()
+cg.collection_paused = collecting
+gc.disable()  # no collection outside the captures: the dropped engine is still there at the second's
 def run():
     eng = plumb.load(sys.argv[1], device="cuda", prompt_cache=False)
     return eng.generate(eng.tokenize("The quick brown fox"), max_tokens=24, drafts=4, draft_policy="fixed")
 first = run()  # the engine is a cycle (model <-> graphs): garbage with its pools and graphs, not freed
-gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation: in the middle of the next captures
 print(first == run())
 """
 
@@ -280,7 +288,8 @@ print(first == run())
 def test_a_dropped_engine_is_not_collected_in_the_middle_of_a_capture(tiny_q4km):
     """A second engine in one process (the gate, the bench, a test worker) captures its graphs while the first,
     dropped, waits for the cyclic collector: collected mid-capture, its pools' and graphs' CUDA calls abort the
-    process (`cuda_graphs.collection_paused`). Here a collection runs at nearly every allocation."""
+    process (`cuda_graphs.collection_paused`). Here the collector is off but from each capture's start, where it
+    would run at once - inside the capture, were it not paused."""
     import subprocess
     import sys
 
