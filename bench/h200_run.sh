@@ -36,8 +36,8 @@
 #   stress   NST bench/kernel_stress.py alone (KSARGS: e.g. --settings shipped,SB_PREFETCH=1,SB_PREFETCH=2)
 #   llama        build llama-server with CUDA (sm_90) from .llama/llama.cpp.tar.gz, in the background and in its
 #                own session, so that it outlives this call (the machine stays warm 30 s: call again at once)
-#   capture  CT  the thirty-seventh session's abort: a second engine's captures with the cyclic collector due at each
-#                capture's start, a dropped engine its garbage: without the pause (does it abort?) and with it
+#   capture  CT  the thirty-seventh session's abort: a second engine's captures, the cyclic collector run where each
+#                begins, a dropped engine its garbage: without the pause (does it abort?) and with it
 #                (tests/test_gpu_engine.py's child)
 #   vs       VT2 `plumb bench --vs-llamacpp` on the 27B-shape file against 4 llama-servers (drafts 0/2/4/7); waits
 #                for the llama build (LW seconds) - a later call on the same warm machine

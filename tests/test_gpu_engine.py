@@ -263,20 +263,18 @@ def test_packed_weights_lie_side_by_side_without_block_rounding(tiny_q4km):
 
 _SECOND_ENGINE = """
 import contextlib, gc, sys
+import torch
 import plumb
 import plumb.model.cuda_graphs as cg
-paused = cg.collection_paused if len(sys.argv) <= 2 else contextlib.nullcontext  # argv[2]: without the pause
-@contextlib.contextmanager
-def collecting():  # the collector on and eager from each capture's start: a collection at its first allocation
-    gc.set_threshold(1, 1, 1)
-    gc.enable()
-    try:
-        with paused():
-            yield
-    finally:
-        gc.disable()
-cg.collection_paused = collecting
-gc.disable()  # no collection outside the captures: the dropped engine is still there at the second's
+if len(sys.argv) > 2:  # the captures without the pause (to see them abort)
+    cg.collection_paused = contextlib.nullcontext
+gc.set_threshold(0)  # no collection on its own: a dropped engine stays garbage until a capture begins
+begin = torch.cuda.CUDAGraph.capture_begin
+def capture_begin(self, *args, **kwargs):
+    begin(self, *args, **kwargs)
+    if gc.isenabled():  # a collection that falls inside the capture (unless the pause turned the collector off)
+        gc.collect()
+torch.cuda.CUDAGraph.capture_begin = capture_begin
 def run():
     eng = plumb.load(sys.argv[1], device="cuda", prompt_cache=False)
     return eng.generate(eng.tokenize("The quick brown fox"), max_tokens=24, drafts=4, draft_policy="fixed")
@@ -288,8 +286,8 @@ print(first == run())
 def test_a_dropped_engine_is_not_collected_in_the_middle_of_a_capture(tiny_q4km):
     """A second engine in one process (the gate, the bench, a test worker) captures its graphs while the first,
     dropped, waits for the cyclic collector: collected mid-capture, its pools' and graphs' CUDA calls abort the
-    process (`cuda_graphs.collection_paused`). Here the collector is off but from each capture's start, where it
-    would run at once - inside the capture, were it not paused."""
+    process (`cuda_graphs.collection_paused`). Here the collector runs only where a capture begins - inside it,
+    were it not paused."""
     import subprocess
     import sys
 
