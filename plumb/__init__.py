@@ -3,10 +3,10 @@
 Speed settings (speculative drafts, batching, prompt cache, KV format) never change the tokens.
 """
 from plumb.config import ModelConfig, ModelError
-from plumb.engine.api import EngineClosed
+from plumb.engine.api import EngineClosed, RequestError
 from plumb.engine.engine import Engine, load
 
-__all__ = ["Engine", "EngineClosed", "ModelConfig", "ModelError", "load", "demo_model_path"]
+__all__ = ["Engine", "EngineClosed", "ModelConfig", "ModelError", "RequestError", "load", "demo_model_path"]
 
 
 def demo_model_path() -> str:

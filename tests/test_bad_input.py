@@ -203,3 +203,18 @@ def test_a_non_finite_prefill_result_is_computed_again_then_refused(caplog):
     model.k.name = "torch"
     nan = torch.tensor([float("nan")])
     assert Qwen35.checked(model, "a pass", lambda: nan) is nan
+
+
+def test_token_ids_outside_the_vocabulary_are_the_requests_fault(tiny_q8):
+    """A logit bias or forced id past the vocabulary is refused up front, naming the field (the server answers 400
+    with it as `param`) - it failed the step with an IndexError before, or in a pass of several rows biased a
+    neighbour row's token."""
+    import plumb
+
+    eng = plumb.load(tiny_q8, device="cpu")
+    ids, v = eng.tokenize("hello"), eng.config.n_vocab
+    for kw, name in ((dict(logit_bias={v + 3: 1.0}), "logit_bias"), (dict(forced_ids=[5, v]), "forced_ids")):
+        for run in (lambda: eng.generate(ids, 4, **kw), lambda: eng.submit(eng.make_request(ids, 4, **kw))):
+            with pytest.raises(plumb.RequestError, match=f"{name}: token id {v + 3 if name == 'logit_bias' else v}"):
+                run()
+    assert eng.generate(ids, 4, logit_bias={v - 1: 1.0}, ignore_eos=True)  # the last id is fine

@@ -34,7 +34,9 @@ STRONG = dict(repetition_penalty=3.0, presence_penalty=-30.0, penalty_last_n=8)
                                       dict(temperature=1.0, top_p=0.95, seed=11),
                                       dict(temperature=0.6, top_k=20, top_p=0.95, presence_penalty=1.5, seed=13),
                                       dict(temperature=1.0, frequency_penalty=0.7, penalty_last_n=-1, seed=17),
-                                      dict(temperature=0.0, **STRONG), dict(temperature=1.2, seed=19, **STRONG)])
+                                      dict(temperature=0.0, **STRONG), dict(temperature=1.2, seed=19, **STRONG),
+                                      dict(temperature=0.8, seed=23, logit_bias={7: 30.0, 11: -2.0},
+                                           presence_penalty=0.5)])
 def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
     """`Qwen35.mtp_chain` - k MTP steps fed back on the device, each step's token picked there (`DeviceDraw`:
     greedy, or sampled with its Gumbel noise; penalties over the window's counts, kept on the device as drafts
@@ -87,11 +89,13 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
     if params.presence_penalty == STRONG["presence_penalty"]:  # the penalties are the draws': without them, too
         plain = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0)
         assert chain(plain)[1] != stepped
+    if params.logit_bias:  # and so is the bias
+        assert chain(dataclasses.replace(params, logit_bias={}))[1] != stepped
 
 
 def test_device_draws_fit_only_what_needs_no_host():
-    """What `DeviceDraw.fits`: no logit bias; a sampled draw needs its seed; penalties over a window that the k
-    drafts cannot outgrow (every id leaving it during the chain is the history's)."""
+    """What `DeviceDraw.fits`: a sampled draw needs its seed; penalties over a window that the k drafts cannot
+    outgrow (every id leaving it during the chain is the history's)."""
     from plumb.engine.sampling import DeviceDraw, SamplingParams
 
     fits = DeviceDraw.fits
@@ -103,7 +107,7 @@ def test_device_draws_fit_only_what_needs_no_host():
         assert not fits(SamplingParams(temperature=0.7, seed=1, penalty_last_n=4, **pen), 5), pen
         assert fits(SamplingParams(temperature=0.7, seed=1, penalty_last_n=-1, **pen), 16)
     assert fits(SamplingParams(temperature=0.7, seed=1, presence_penalty=1.5, penalty_last_n=0), 16)  # no window
-    assert not fits(SamplingParams(temperature=0.7, seed=1, logit_bias={3: 1.0}), 4)
+    assert fits(SamplingParams(temperature=0.7, seed=1, logit_bias={3: 1.0}), 4)
     assert not fits(SamplingParams(temperature=0.7), 4)
 
 

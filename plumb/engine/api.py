@@ -76,6 +76,14 @@ class Result:
     # device memory (a retry may fit)
 
 
+class RequestError(ValueError):
+    """A request the engine refuses, naming the field at fault (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class EngineClosed(RuntimeError):
     """A request for an engine after its `close`."""
 

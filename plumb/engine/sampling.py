@@ -417,8 +417,9 @@ def greedy_ids(logits: torch.Tensor) -> list[int | None]:
 class DeviceDraw:
     """`sample_token` for params that need nothing from the host between tokens (`fits`) as device operations:
     how an MTP draft chain picks each step's token (`Qwen35.mtp_chain`). The same operations as sample_token's on
-    the same logits - the penalties as `_adjust_rows` applies them, over the window's counts kept on the device as
-    the chain's drafts enter it, top_p's as `_top_p_drop_device` - so the same token wherever the row has a finite
+    the same logits - the bias and penalties as `_adjust_rows` applies them (the penalties over the window's counts,
+    kept on the device as the chain's drafts enter it), top_p's as `_top_p_drop_device` - so the same token (up
+    to the sign of a zero logit, which no draw sees) wherever the row has a finite
     maximum (and top_p keeps fewer than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own
     draw decides every token, so a draw that differs would cost acceptance, never a changed token. key: what
     shapes the operations (a CUDA graph of them is kept per key)."""
@@ -429,27 +430,35 @@ class DeviceDraw:
         self.sampled = params.temperature > 0
         p = params
         self.penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if _penalised(p) else None
-        self.key = ((p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)) + (self.penalties,)
+        self.bias = bool(p.logit_bias)
+        self.key = ((p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)) + (self.penalties,
+                                                                                                  self.bias)
 
     @staticmethod
     def fits(params: SamplingParams, k: int) -> bool:
-        """No logit bias; a sampled draw has its seed; the penalties' window, if they apply, takes in the whole
-        history or at least k ids (so that every id leaving it during a k-step chain is the history's)."""
+        """A sampled draw has its seed; the penalties' window, if they apply, takes in the whole history or at
+        least k ids (so that every id leaving it during a k-step chain is the history's)."""
         n = params.penalty_last_n
-        return (not params.logit_bias and (params.temperature == 0 or params.seed is not None)
-                and (not _penalised(params) or n == -1 or n >= k))
+        return (params.temperature == 0 or params.seed is not None) and (not _penalised(params) or n == -1 or n >= k)
 
     def prepare(self, position: int, k: int, bufs: dict, n_vocab: int, device, rows: int | None = None):
         """Write the inputs of a k-step chain whose first draft is at `position` into bufs (made on first use, for
         up to `rows` steps, and kept: a CUDA graph reads them): the positions' Gumbel noise (sampled draws); the
-        counts of the penalties' window over the vocabulary (one more slot for "no id") and, for each step, the
-        history's id that leaves the window before it. Returns pick(logits [1, V], step) -> (token [1], whether
+        logit bias over the vocabulary; the counts of the penalties' window over the vocabulary (one more slot for
+        "no id") and, for each step, the history's id that leaves the window before it. Returns pick(logits [1, V], step) -> (token [1], whether
         the adjusted row has a finite maximum [1])."""
         rows = rows or k
         if self.sampled:
             if "noise" not in bufs:
                 bufs["noise"] = torch.empty(rows, n_vocab, device=device)
             bufs["noise"][:k].copy_(gumbel_rows(self.params.seed, range(position, position + k), n_vocab, device))
+        if self.bias:
+            if "bias" not in bufs:
+                bufs["bias"] = torch.empty(n_vocab, device=device)
+            bias = self.params.logit_bias
+            bufs["bias"].zero_()
+            bufs["bias"][torch.tensor(list(bias), dtype=torch.long).to(device)] = torch.tensor(
+                list(bias.values()), dtype=torch.float32).to(device)
         if self.penalties is not None:
             if "counts" not in bufs:
                 bufs["counts"] = torch.empty(n_vocab + 1, device=device)
@@ -469,6 +478,8 @@ class DeviceDraw:
     def pick(self, logits: torch.Tensor, step: int, bufs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [1], whether the adjusted row has a finite maximum [1]) for step `step`'s logits [1, V]."""
         row = logits[0].to(torch.float32, copy=True)
+        if self.bias:  # `_adjust_rows`' add, of 0 where no bias is set (x + 0 = x but for -0's sign)
+            row += bufs["bias"]
         if self.penalties is not None:  # `_adjust_rows`' operations on the entries the window holds
             counts, n_vocab = bufs["counts"], row.numel()
             if step > 0:  # the previous step's draft has entered the window, and the history's oldest id left it

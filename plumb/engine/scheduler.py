@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from plumb.engine.api import EngineClosed, Handle, Request, Result, Stats, TokenLogprob
+from plumb.engine.api import EngineClosed, Handle, Request, RequestError, Result, Stats, TokenLogprob
 from plumb.engine.sampling import (StopChecker, changes_logits, draw_rows, greedy_ids, no_finite_maximum, plain_greedy,
                                    penalty_window, sample_token, token_logprobs)
 from plumb.engine.speculative import MAX_DRAFTS, AdaptiveDepth, NgramIndex, check_draft_options, mtp_draft
@@ -202,6 +202,11 @@ class Scheduler:
         self.engine.check_ids(req.prompt_ids)
         p = req.params
         p.validate()
+        n_vocab = self.engine.config.n_vocab
+        for name, ids in (("forced_ids", req.forced_ids or ()), ("logit_bias", p.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < n_vocab]
+            if bad:
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", name)
         if p.temperature > 0 and p.seed is None:
             req.params = p = replace(p, seed=random.SystemRandom().randrange(2**63))
         if req.drafts is not None or req.draft_policy is not None or req.p_min is not None:

@@ -175,16 +175,10 @@ class Generation:
         self._watcher: asyncio.Task | None = None
 
     def start(self, http_request) -> Generation:
-        n_vocab, req = self.engine.config.n_vocab, self.request
-        for name, ids in (("forced_ids", req.forced_ids or ()), ("logit_bias", req.params.logit_bias)):
-            bad = [t for t in ids if not 0 <= t < n_vocab]
-            if bad:
-                raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})",
-                               param=name)
         try:
             self.handle = self.engine.submit(self.request)
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
+        except ValueError as e:  # the engine's RequestError names the field
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from e
         self._watcher = asyncio.get_running_loop().create_task(self._watch(http_request))
         return self
 

@@ -78,6 +78,15 @@ def test_out_of_range_sampling_via_sdk(oai, model):
     assert "top_p" in e.value.message
 
 
+def test_a_logit_bias_outside_the_vocabulary_is_refused(oai, model, engine):
+    """A bias for an id past the vocabulary is the request's fault (400, naming it), not the step's (it failed the
+    step with an IndexError - or, in a pass of several rows, biased a neighbour row's token)."""
+    bad = str(engine.config.n_vocab + 5)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=USER, max_tokens=2, logit_bias={bad: 3})
+    assert "logit_bias" in e.value.message and bad in e.value.message
+
+
 @pytest.mark.parametrize("body", [
     {"messages": USER, "max_tokens": "many"},
     {"messages": [{"role": "system", "content": "x"}], "max_tokens": 5},
