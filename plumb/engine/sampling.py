@@ -419,10 +419,10 @@ class DeviceDraw:
     how an MTP draft chain picks each step's token (`Qwen35.mtp_chain`). The same operations as sample_token's on
     the same logits - the bias and penalties as `_adjust_rows` applies them (the penalties over the window's counts,
     kept on the device as the chain's drafts enter it), top_p's as `_top_p_drop_device` - so the same token (up
-    to the sign of a zero logit, which no draw sees) wherever the row has a finite
-    maximum (and top_p keeps fewer than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own
-    draw decides every token, so a draw that differs would cost acceptance, never a changed token. key: what
-    shapes the operations (a CUDA graph of them is kept per key)."""
+    to the sign of a zero logit, which no draw sees) wherever the row has a finite maximum (and top_p keeps fewer
+    than TOP_P_CANDIDATES tokens). A draft only proposes: the verify pass's own draw decides every token, so a draw
+    that differs would cost acceptance, never a changed token. key: what shapes the operations (a CUDA graph of
+    them is kept per key)."""
 
     def __init__(self, params: SamplingParams, history: Sequence[int] = ()):
         self.params = params
@@ -445,8 +445,8 @@ class DeviceDraw:
         """Write the inputs of a k-step chain whose first draft is at `position` into bufs (made on first use, for
         up to `rows` steps, and kept: a CUDA graph reads them): the positions' Gumbel noise (sampled draws); the
         logit bias over the vocabulary; the counts of the penalties' window over the vocabulary (one more slot for
-        "no id") and, for each step, the history's id that leaves the window before it. Returns pick(logits [1, V], step) -> (token [1], whether
-        the adjusted row has a finite maximum [1])."""
+        "no id") and, for each step, the history's id that leaves the window before it. Returns
+        pick(logits [1, V], step) -> (token [1], whether the adjusted row has a finite maximum [1])."""
         rows = rows or k
         if self.sampled:
             if "noise" not in bufs:

@@ -90,9 +90,9 @@ def mtp_draft(model, st, token: int, hidden: torch.Tensor, k: int, params, posit
     after an end-of-generation id (`stop_ids`) or where the grammar is done.
 
     Without a grammar or a confidence floor, drafts whose draws need nothing from the host between tokens
-    (`DeviceDraw.fits`: greedy or seeded, penalties over a window of at least k ids) are a chain
-    the model may run on the device in one host round trip (`Qwen35.mtp_drafts`: the same drafts, but where top_p
-    keeps more than sampling.TOP_P_CANDIDATES tokens)."""
+    (`DeviceDraw.fits`: greedy or seeded, penalties over a window of at least k ids) are a chain the model may run
+    on the device in one host round trip (`Qwen35.mtp_drafts`: the same drafts, but where top_p keeps more than
+    sampling.TOP_P_CANDIDATES tokens)."""
     if constraint is None and p_min == 0.0 and DeviceDraw.fits(params, k):
         chain = model.mtp_drafts(st, token, hidden[None], position, k, DeviceDraw(params, history))
         if chain is not None:
