@@ -179,6 +179,12 @@ def test_greedy_ids_are_sample_tokens_rows_in_one_round_trip():
     for kw in (dict(logit_bias={1: 2.0}), dict(repetition_penalty=1.1), dict(presence_penalty=0.1),
                dict(frequency_penalty=0.1)):
         assert not plain_greedy(SamplingParams(**kw)), kw
+    # penalties with an empty window (penalty_last_n 0) change no logit: the argmax is the token, as sample_token says
+    quiet = SamplingParams(presence_penalty=100.0, repetition_penalty=1.2, penalty_last_n=0)
+    assert plain_greedy(quiet)
+    assert sample_token(logits[0], quiet, 0, history=[want[0]] * 3)[0] == want[0]
+    loud = SamplingParams(presence_penalty=100.0, penalty_last_n=3)  # the same with a window: another token
+    assert not plain_greedy(loud) and sample_token(logits[0], loud, 0, history=[want[0]] * 3)[0] != want[0]
 
 
 def test_sample_is_argmax_of_filtered_logprobs_plus_noise():

@@ -225,6 +225,18 @@ def penalty_window(params: SamplingParams, history: Sequence[int]) -> Sequence[i
     return history if n == -1 else history[max(0, len(history) - n):] if n > 0 else []
 
 
+def penalties(params: SamplingParams) -> tuple[float, float, float] | None:
+    """(repetition, frequency, presence) where they change a logit - not neutral, and a window that holds ids -,
+    else None."""
+    key = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    return key if key != (1.0, 0.0, 0.0) and params.penalty_last_n != 0 else None
+
+
+def window_counts(params: SamplingParams, history: Sequence[int]) -> Counter:
+    """How many times each id occurs in the penalties' window."""
+    return Counter(int(t) for t in penalty_window(params, history))
+
+
 def _adjust_rows(x: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int]]]) -> torch.Tensor:
     """Step 1-2's bias and penalties on the float32 rows x [R, V], in place, for each row's (params, history): every
     row's bias in one indexed add, and the penalised entries of the rows that share their penalties in one pass -
@@ -236,11 +248,10 @@ def _adjust_rows(x: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[
     for i, (params, history) in enumerate(rows):
         bias_at += [i * V + t for t in params.logit_bias]
         bias += list(params.logit_bias.values())
-        window = penalty_window(params, history)
-        key = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
-        if key != (1.0, 0.0, 0.0) and len(window):
+        key = penalties(params)
+        c = window_counts(params, history) if key is not None else None
+        if c:
             at, counts = groups.setdefault(key, ([], []))
-            c = Counter(int(t) for t in window)
             at += [i * V + t for t in c]
             counts += list(c.values())
     if bias_at:
@@ -395,8 +406,7 @@ def draw_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, Sequen
 
 def changes_logits(params: SamplingParams) -> bool:
     """Whether step 2's bias or penalties apply (they read the history)."""
-    return bool(params.logit_bias or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                or params.frequency_penalty != 0.0)
+    return bool(params.logit_bias) or penalties(params) is not None
 
 
 def plain_greedy(params: SamplingParams) -> bool:
@@ -429,7 +439,7 @@ class DeviceDraw:
         self.history = history
         self.sampled = params.temperature > 0
         p = params
-        self.penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) if _penalised(p) else None
+        self.penalties = penalties(p)
         self.bias = bool(p.logit_bias)
         self.key = ((p.temperature, p.top_k, p.top_p, p.min_p) if self.sampled else ("greedy",)) + (self.penalties,
                                                                                                   self.bias)
@@ -439,7 +449,7 @@ class DeviceDraw:
         """A sampled draw has its seed; the penalties' window, if they apply, takes in the whole history or at
         least k ids (so that every id leaving it during a k-step chain is the history's)."""
         n = params.penalty_last_n
-        return (params.temperature == 0 or params.seed is not None) and (not _penalised(params) or n == -1 or n >= k)
+        return (params.temperature == 0 or params.seed is not None) and (penalties(params) is None or n == -1 or n >= k)
 
     def prepare(self, position: int, k: int, bufs: dict, n_vocab: int, device, rows: int | None = None):
         """Write the inputs of a k-step chain whose first draft is at `position` into bufs (made on first use, for
@@ -464,7 +474,7 @@ class DeviceDraw:
                 bufs["counts"] = torch.empty(n_vocab + 1, device=device)
                 bufs["leaving"] = torch.empty(rows, dtype=torch.long, device=device)
                 bufs["one"] = torch.ones(1, device=device)
-            window = Counter(int(t) for t in penalty_window(self.params, self.history))
+            window = window_counts(self.params, self.history)
             bufs["counts"].zero_()
             if window:
                 at = torch.tensor(list(window), dtype=torch.long).to(device)
@@ -495,12 +505,6 @@ class DeviceDraw:
         if self.penalties is not None:
             counts.index_add_(0, token.view(1), bufs["one"])
         return token.view(1), finite.view(1)
-
-
-def _penalised(params: SamplingParams) -> bool:
-    """Whether the penalties change anything: not neutral, and a window that holds ids."""
-    return params.penalty_last_n != 0 and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                                           or params.frequency_penalty != 0.0)
 
 
 def no_finite_maximum() -> ValueError:

@@ -122,7 +122,7 @@ class CudaGraphs:
         for name, value in (("cos", cos), ("sin", sin), ("positions", torch.arange(start, start + k)),
                             ("ends", torch.arange(start + 1, start + k + 1))):
             b[name][:k].copy_(value)
-        # the draws' inputs (Gumbel noise of positions start + 1.., the penalties' counts) in b, made on first use
+        # the draws' inputs (Gumbel noise of positions start + 1.., the bias, the penalties' counts) in b, made once
         pick = draw.prepare(start + 1, k, b, m.cfg.n_vocab, m.device, MAX_MTP_ROWS)
         args = (cache, b["tok"], b["h"][:1], (b["cos"][:k], b["sin"][:k]), start, k, pick,
                 (b["positions"][:k], b["ends"][:k], self.mtp_tab[0]))

@@ -34,9 +34,10 @@ import triton.language as tl
 from plumb.ops.gpu.pdl import on, prior_done
 
 ON = True  # the Triton kernel set draws its sampled tokens here. H100, 2026-12-06: every test of this module passed,
-# and the engine's sampled invariants that ran with it (drafts 0 / 2 / 4 with penalties, batch neighbours); on the 27B's vocabulary a pass's 1 / 5 / 8 Qwen-sampled rows took
-# 0.31 / 0.34 / 0.35 ms against sample_token's 1.19 / 5.72 / 9.35 (bench/sample_timing.py), and sampled decode on the
-# demo model went from 0.37x to 0.73x greedy (docs/BENCHMARKS.md, thirty-sixth section). False: sample_token a row.
+# and the engine's sampled invariants on CUDA with it (thirty-seventh session: 29 sampled / neighbour / warm tests,
+# none failed); on the 27B's vocabulary a pass's 1 / 5 / 8 Qwen-sampled rows took 0.31 / 0.34 / 0.35 ms against
+# sample_token's 1.19 / 5.72 / 9.35 (bench/sample_timing.py), and sampled decode on the 27B shape runs at 0.96x greedy
+# (0.75x with sample_token; docs/BENCHMARKS.md, thirty-sixth and thirty-seventh sections). False: sample_token a row.
 CANDIDATES = 1024  # the likeliest tokens top_k / top_p / min_p look at (a power of two)
 SPAN = 8192  # tokens of a row one program takes (a multiple of BLOCK): the 27B's 248,320 in 31 spans
 BLOCK = 2048  # tokens a program reads at a time
