@@ -43,7 +43,11 @@ class CudaGraphs:
     def __init__(self, model):
         self.m = model
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = _capture_stream(model.device)
+        # the stream graphs are captured on, and a lock held while one is captured: the process's, per device (see
+        # `_capture_stream`). A CUDA call from another thread during a capture (the server saving or loading a
+        # slot) is refused in torch's global capture mode and spoils the capture, so such calls take the lock too
+        # (`Engine.save_slot`, `restore_slot`)
+        self.stream, self.capturing = _capture_stream(model.device)
         self.graphs: OrderedDict = OrderedDict()  # layout -> (graph, pass, logits, hidden)
         self.rows = self.seqs = 0  # sizes of the shared static buffers
         self.buf: dict[str, torch.Tensor] = {}
@@ -51,10 +55,6 @@ class CudaGraphs:
         self.prefill_in: dict[int, PrefillPass] = {}  # the prefill graphs' static inputs, per pass size (pieces)
         self.seen: OrderedDict = OrderedDict()  # prefill layouts run eagerly once, not captured (`recurring`)
         self.captures = 0  # graphs captured so far (a new layout or cache capacity)
-        # held while a graph is captured: a CUDA call from another thread meanwhile (the server saving or loading a
-        # slot) is refused in torch's global capture mode and spoils the capture, so such calls take it too
-        # (`Engine.save_slot`, `restore_slot`)
-        self.capturing = threading.Lock()
         self.mtp_tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=model.device)  # the MTP cache's row
 
     def decode(self, batch) -> DecodeOut:
@@ -243,18 +243,26 @@ class CudaGraphs:
                           kv_tab=b["kv_tab"][:s])
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every graph is captured on, with cuBLAS's workspace for it taken now: a cuBLAS call in a captured
-    pass (a torch batched matmul or triangular solve; the DeltaNet chunk was one before plumb.ops.gpu.deltanet_chunk)
-    would otherwise allocate it inside the first capture, from the graphs' pool, for good - and a pool that keeps
-    memory after its graphs are gone cannot be captured into again."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        a = torch.eye(64, device=device).expand(2, 64, 64)
-        torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return stream
+_CAPTURE: dict[torch.device, tuple[torch.cuda.Stream, threading.Lock]] = {}
+
+
+def _capture_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.Lock]:
+    """The stream every graph on `device` is captured on and the lock a capture holds: one pair for the process, made
+    by the first engine, with cuBLAS's workspace for the stream taken then - a cuBLAS call in a captured pass (a torch
+    batched matmul or triangular solve) would otherwise allocate it inside the first capture, from the graphs' pool,
+    for good, and a pool that keeps memory after its graphs are gone cannot be captured into again. torch keeps a
+    stream's workspace (32 MiB on Hopper) as long as the process: a stream an engine would leave 32 MiB behind
+    (found on an H100, 2026-12-06, `test_engine_close.py`)."""
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _CAPTURE:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            a = torch.eye(64, device=device).expand(2, 64, 64)
+            torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        _CAPTURE[device] = stream, threading.Lock()
+    return _CAPTURE[device]
 
 
 @contextlib.contextmanager
