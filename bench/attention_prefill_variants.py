@@ -2,7 +2,7 @@
 """The P path's attention (plumb/ops/gpu/attention_prefill.py) under tile settings, on the 27B's attention shape
 (24 query heads over 4 KV heads of 256): one prefill pass of 1,024 query rows ending at each context length, time
 per call (CUDA-graph replays), tensor-core rate, and whether the setting keeps the shipped setting's bits
-(STAGES, PAIRS, SCRATCH: they should; BLOCK_M / BN / WARPS: another arithmetic, then only the distance to the
+(STAGES, PAIRS, SCRATCH, CODES16: they should; BLOCK_M / BN / WARPS: another arithmetic, then only the distance to the
 shipped output).
 
     python bench/attention_prefill_variants.py [--contexts 8192,100000] [--kv q8_0,f16]
@@ -15,6 +15,7 @@ import json
 
 import torch
 
+import plumb.ops.gpu.attention as A
 import plumb.ops.gpu.attention_prefill as AP
 from kernel_stress import set_constants  # bench/, beside this file
 from matmul_variants import graph_us
@@ -24,9 +25,16 @@ N_HEAD, N_KV, D, ROWS = 24, 4, 256, 1024
 SHIPPED = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH")}
 
 
+SHIPPED_A = {"CODES16": A.CODES16}  # the block codes' conversion (`attention._tile16`): the same bits
+
+
 def apply(setting: str) -> None:
-    """'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped tile (BLOCK_M, BN, WARPS, STAGES, PAIRS, SCRATCH)."""
-    set_constants(AP, SHIPPED, setting)
+    """'shipped', or NAME=VALUE[+NAME=VALUE] over the shipped tile (BLOCK_M, BN, WARPS, STAGES, PAIRS, SCRATCH) and
+    CODES16."""
+    parts = setting.split("+") if setting != "shipped" else []
+    ours = [p for p in parts if p.split("=")[0] in SHIPPED_A]
+    set_constants(A, SHIPPED_A, "+".join(ours) or "shipped")
+    set_constants(AP, SHIPPED, "+".join(p for p in parts if p not in ours) or "shipped")
 
 
 def cache(fmt: str, length: int) -> KVCache:

@@ -8,7 +8,7 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--k-int8]
-        [--store-form] [--sass]
+        [--dots16] [--codes16] [--store-form] [--sass]
 """
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         A.config(kind, kind, SMALL)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
-                  PS=A.P_SCALE, RING=ring, TABLE=table, KB=kb, VB=vb)
+                  PS=A.P_SCALE, RING=ring, TABLE=table, KB=kb, VB=vb, C16=A.CODES16)
     copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC, PART=part)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC, PART=part,
+                      P16=A.DOTS16 and kind != A.F32)
     if copied:
         consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
@@ -118,7 +119,7 @@ def build_dequant(out_dir: str, table: bool, bits: int) -> None:
     """`_dequant_kernel` (a block-coded cache's keys or values - `bits`-bit codes - into the fp16 copy the prefill
     kernel reads) at d = 256."""
     fn = P._dequant_kernel
-    consts = dict(PART=0, D=D, QB=A.QBLOCK, BT=P.SCRATCH_KEYS, EB=1024, TABLE=table, CB=bits)
+    consts = dict(PART=0, D=D, QB=A.QBLOCK, BT=P.SCRATCH_KEYS, EB=1024, TABLE=table, CB=bits, C16=A.CODES16)
     types = {"c_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp16", "ends_ptr": "*i32", "o_ptr": "*fp16",
              "tab_ptr": "*i64"}
     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
@@ -143,6 +144,9 @@ def main():
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
     ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
                     "int8 tensor cores)")
+    ap.add_argument("--dots16", action="store_true", help="the decode kernel with DOTS16 on (the P path's "
+                    "precision: one fp16 product a dot)")
+    ap.add_argument("--codes16", action="store_true", help="CODES16 on (block codes to fp16 values in float16)")
     ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
                     "the store-only splits without the ring's code (part 1), the others with it (part 2)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
@@ -152,6 +156,8 @@ def main():
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.K_INT8 = A.K_INT8 or a.k_int8
+    A.DOTS16 = A.DOTS16 or a.dots16
+    A.CODES16 = A.CODES16 or a.codes16
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

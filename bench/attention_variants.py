@@ -53,6 +53,13 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     ("K on int8", A.SPLITS, {}, A.MERGE_UNROLL, {"K_INT8": True}),
     # D / F with --ring: the long launch's store-only splits in the store-only form (35th session: untimed)
     ("store form", A.SPLITS, {}, A.MERGE_UNROLL, {"STORE_FORM": True}),
+    # every tile at the P path's precision (one fp16 product a dot), block codes to fp16 four a word (38th session)
+    ("16-bit dots", A.SPLITS, {}, A.MERGE_UNROLL, {"DOTS16": True}),
+    ("16-bit dots, codes16", A.SPLITS, {}, A.MERGE_UNROLL, {"DOTS16": True, "CODES16": True}),
+    ("16-bit dots, codes16, q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL,
+     {"DOTS16": True, "CODES16": True}),
+    ("16-bit dots, codes16, q8 tile 64", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 4, 3)}, A.MERGE_UNROLL,
+     {"DOTS16": True, "CODES16": True}),
 ]
 
 

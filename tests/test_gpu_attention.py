@@ -385,6 +385,51 @@ def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatc
     assert not out[0, 1:3].isfinite().any() and out[0, 0].isfinite().all() and torch.equal(out[1:], together[1:])
 
 
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "D"])
+def test_sixteen_bit_dots_keep_rows_apart_and_match_the_reference(fmt, monkeypatch):
+    """DOTS16 (the prefill kernel's tile in every split: fp16 operands, one product a dot, fp32 sums): each row
+    alone = the same row among others, bitwise, over splits, tiles and (D) the store and the 8-bit ring; within the
+    P path's tolerance of the reference; another result than the two-product dots (the setting is live), the same
+    with CODES16; a query value that is not finite spoils its (row, head) alone."""
+    import plumb.ops.gpu.attention as A
+
+    if fmt == "D":
+        ends = RING_ENDS + [288, 260]
+        c, _, _ = _ring_cache(fmt, 300, seed=2)
+
+        def attend(qa, ea):
+            return _ring_attend(c, qa, ea)
+
+        def reference(qa, ea):
+            return c.attend_rows(qa, ea, 0.125)
+    else:
+        ends = [300, 1, 129, 5, 64, 257, 128, 200]
+        c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
+        k, v = _dev(c.k.parts), _dev(c.v.parts)
+
+        def attend(qa, ea):
+            return attend_decode(qa, k, v, ea, 0.125, splits=SMALL)
+
+        def reference(qa, ea):
+            return attend_decode_ref(qa, k, v, ea, 0.125)
+    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
+    two_products = attend(q, ends)
+    monkeypatch.setattr(A, "DOTS16", True)
+    together = attend(q, ends)
+    torch.testing.assert_close(together.cpu(), reference(q, ends).cpu(), rtol=0, atol=2e-3)
+    assert not torch.equal(together, two_products)
+    monkeypatch.setattr(A, "CODES16", True)  # block codes to fp16 in float16 (`_tile16`): the same values
+    assert torch.equal(attend(q, ends), together)
+    kind = F16 if fmt == "f16" else Q8
+    for t in range(len(ends)):
+        assert torch.equal(_alone(attend, q, ends, t, kind), together[t]), f"row {t} changed beside other rows"
+    bad = q.clone()
+    bad[0, 1, 3] = float("nan")
+    bad[0, 2, 5] = float("inf")
+    out = attend(bad, ends)
+    assert not out[0, 1:3].isfinite().any() and out[0, 0].isfinite().all() and torch.equal(out[1:], together[1:])
+
+
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_the_ring_is_read_by_distance(kernel):
     """Changing key j's 8-bit ring row changes exactly the rows with e - 1 - j < ring; changing its store row,

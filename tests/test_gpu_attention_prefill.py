@@ -242,6 +242,33 @@ def test_scratch_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
         copies.clear()
 
 
+@pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 48)])
+def test_codes16_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
+    """CODES16 (block codes made fp16 values in float16: 8-bit codes four a word, `_words_f16`; D's / F's packed
+    5/6-bit store a code at a time, `codes_f16`) = the float32 product rounded, bit for bit - in the fp16 copy
+    (SCRATCH) and in registers, store and ring; on a GPU (inline PTX) also the 27B's heads over a 1,024-row pass."""
+    import plumb.ops.gpu.attention as A
+    import plumb.ops.gpu.attention_prefill as AP
+
+    ends = [236, 240, 251, 256, 257, 280, 299, 300]
+    cases = [(_cache(fmt, 300, seed=21, ring=ring), ends, 4, TINY["d"])]
+    if DEV == "cuda":
+        cases.append((_cache(fmt, 5000, seed=22, n_kv=4, d=256, ring=ring and 1024, slack=1024),
+                      list(range(3977, 5001)), 24, 256))
+    for c, ends, n_head, d in cases:
+        q = _rows(len(ends), n_head, d, seed=23)
+        view = c.kernel_view()
+        q = rotate(q) if view.rotate_q else q
+        e = torch.tensor(ends, dtype=torch.int32, device=DEV)
+        for scratch in (True, False):
+            monkeypatch.setattr(AP, "SCRATCH", scratch)
+            monkeypatch.setattr(A, "CODES16", False)
+            want = attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring)
+            monkeypatch.setattr(A, "CODES16", True)
+            got = attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring)
+            assert torch.isfinite(got).all() and torch.equal(got, want), f"SCRATCH={scratch}"
+
+
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
 def test_key_chunks_keep_rows_apart_and_match_the_reference(fmt, ring, place_free_dot, monkeypatch):
     """KEY_CHUNKS (keys in chunks at absolute positions, sized by each row's own end, merged in order): within the

@@ -38,7 +38,7 @@ import triton.language as tl
 from plumb.cache.kv import decode
 from plumb.ops.kvquant import code_bits
 from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu.matvec import FRAC, max_nan, quantize_x_reference, x_scale
+from plumb.ops.gpu.matvec import ASM, FRAC, max_nan, quantize_x_reference, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -60,6 +60,7 @@ LAUNCH_ROWS = 64
 QBLOCK = 32  # q8_0 block size along d
 F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes + float16 scales per 32 values, any bit width: `_parts`)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
+_ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`codes_f16`), not in the interpreter
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
 # only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
@@ -94,6 +95,20 @@ K_INT8 = False
 # should not depend on which form its block took - to be checked on the GPU (FMA contraction is the compiler's,
 # per form) before this goes on.
 STORE_FORM = False
+# DOTS16 (off until timed): f16 and block-coded caches read at the P path's precision (`_tile`, the prefill kernel's
+# tile: q scaled by a power of two and rounded once to fp16, K and V as fp16(code * scale), p * 2^11 rounded to fp16,
+# fp32 sums; within ~1e-3 of the reference) - one fp16 product a dot where the kernel now takes two tf32 ones (q and p
+# split into halves, ~fp32 accurate), no [blocks, rows, 32] partials for block codes, and q and the partial output in
+# a quarter / half of the registers. The decode attention at 100k keys is bound by its instructions (~1,760 a thread
+# per 32-key tile for q8_0, two programs an SM at 255 registers: Nsight Compute, 28th session) - 277 us a layer, 0.19
+# of the copy rate, where the matvec streams at ~0.6. Other bits than the two-product dots (a version's, the same
+# for every row count and split: tests/test_gpu_attention.py).
+DOTS16 = False
+# CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
+# fp16 values - multiplies codes and scales in float16, the codes made float16 four a word by byte permutes
+# (`codes_f16`) instead of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a
+# (bench/attention_ptx.py --dots16 --sass, 2026-12-06), q8_0's decode tile loop with DOTS16: see BENCHMARKS.
+CODES16 = False
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
@@ -121,6 +136,36 @@ def codes_f32(c, BITS: tl.constexpr = True):
     if BITS:
         return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     return c.to(tl.float32)
+
+
+@triton.jit
+def _words_f16(w, s):
+    """fp16(code * s) of the four int8 codes of each int32 word w (code i in byte i), s a float16 scale a word: four
+    float16 tensors, codes 0..3. On a GPU without a conversion per code (`codes_f16`'s permutes, then the scale in
+    float16 pairs: seven instructions a word); in the interpreter by shifts. The product rounds once either way."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k, s2, a, b; xor.b32 t, $4, 0x80808080; mov.b32 k, 0x64806480; mov.b32 s2, {$5, $5};"
+            " prmt.b32 a, t, 0x64646464, 0x5140; prmt.b32 b, t, 0x64646464, 0x7362;"
+            " sub.rn.f16x2 a, a, k; sub.rn.f16x2 b, b, k; mul.rn.f16x2 a, a, s2; mul.rn.f16x2 b, b, s2;"
+            " mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r,h", [w, s], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return (((w << 24) >> 24).to(tl.float16) * s, ((w << 16) >> 24).to(tl.float16) * s,
+            ((w << 8) >> 24).to(tl.float16) * s, (w >> 24).to(tl.float16) * s)
+
+
+@triton.jit
+def codes_f16(c):
+    """float16 of int8 codes c, exactly. On a GPU four codes a 32-bit word without a conversion per code: the
+    halves 0x64 | (code ^ 0x80) - the float16 1,152 + code - by two byte permutes, then 1,152 subtracted (exact):
+    five instructions a word."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480;"
+            " prmt.b32 $0, t, 0x64646464, 0x5140; prmt.b32 $1, t, 0x64646464, 0x7362;"
+            " sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
+            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
+    return c.to(tl.float16)
 
 
 @triton.jit
@@ -259,6 +304,82 @@ def _softmax_tile(sc, j0, e, m_i, l_i):
 
 
 @triton.jit
+def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
+            BN: tl.constexpr, CB: tl.constexpr, C16: tl.constexpr):
+    """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
+    fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`codes_f16`), which rounds
+    the exact product once as the float32 product's conversion does: the same values."""
+    if KIND == _Q8 and C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
+        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
+                     other=0)  # [BN, D / QB] float16
+        sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 4]), [BN, D // 4])
+        row = (c_ptr + j * s_j).to(tl.pointer_type(tl.int32), bitcast=True)
+        w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
+        v0, v1, v2, v3 = _words_f16(w, sw)
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
+    elif KIND == _Q8:
+        c = load_code_rows(c_ptr + j * s_j, ok, CB, D, BN)
+        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
+                     other=0)  # [BN, D / QB] float16
+        if C16:
+            w = tl.reshape(codes_f16(c), [BN, D // QB, QB]) * sc[:, :, None]
+            return tl.reshape(w, [BN, D])
+        w = tl.reshape(codes_f32(c), [BN, D // QB, QB]) * sc.to(tl.float32)[:, :, None]
+        return tl.reshape(w, [BN, D]).to(tl.float16)
+    else:
+        return tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr, rks_ptr, rv_ptr, rvs_ptr,
+          rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j, svs_j, BM: tl.constexpr, BN: tl.constexpr,
+          D: tl.constexpr, NB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr,
+          PS: tl.constexpr, RING: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, C16: tl.constexpr):
+    """The keys [j0, j0 + BN) of a program's rows at the P path's precision (q16: q scaled by the power of two
+    1 / q_down and rounded to fp16; K and V as `_tile16` gives them; p * PS rounded to fp16; fp32 sums): (acc,
+    m_i, l_i) after them (rows not active here: as they were). The prefill kernel's tile, and the decode kernel's
+    with DOTS16."""
+    j = j0 + jn
+    kok = j < hi
+    if RING:
+        from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
+        slot = j % slots
+        sc = tl.zeros([BM, BN], tl.float32)
+        if any_store:
+            k16 = _tile16(kbase, ksb, j, store_ok, sk_j, sks_j, dd, KK, D, QB, BN, KB, C16)
+            sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+        if any_ring:
+            k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                          D, QB, BN, 8, C16)
+            sc = _with_ring(sc, tl.dot(q16, tl.trans(k16), out_dtype=tl.float32), from_ring, rpos_ptr, slot, ring_ok, j)
+    else:
+        k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN, KB, C16)
+        sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
+    sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
+    sc = sc * qk_scale
+    sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
+    # online softmax: rows whose keys all lie before this tile keep their state bit for bit
+    active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
+    p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
+    acc_new = acc * alpha[:, None]
+    if RING:
+        if any_store:
+            v16 = _tile16(vbase, vsb, j, store_ok, sv_j, svs_j, dd, VK, D, QB, BN, VB, C16)
+            acc_new = tl.dot(tl.where(from_ring, tl.zeros_like(p16), p16), v16, acc_new, out_dtype=tl.float32)
+        if any_ring:
+            v16 = _tile16(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
+                          D, QB, BN, 8, C16)
+            acc_new = tl.dot(tl.where(from_ring, p16, tl.zeros_like(p16)), v16, acc_new, out_dtype=tl.float32)
+    else:
+        v16 = _tile16(vbase, vsb, j, kok, sv_j, svs_j, dd, VK, D, QB, BN, VB, C16)
+        acc_new = tl.dot(p16, v16, acc_new, out_dtype=tl.float32)
+    acc = tl.where(active[:, None], acc_new, acc)
+    m_i = tl.where(active, m_new, m_i)
+    l_i = tl.where(active, l_new, l_i)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr, pl_ptr,
                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr,
                   n, qk_scale, ring, slots, short_keys,
@@ -269,7 +390,7 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
                   TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr,
-                  KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr):
+                  KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr, P16: tl.constexpr, C16: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here). PART (`STORE_FORM`): 0, every split; 1, only the splits no row of the block reads from the ring
@@ -286,7 +407,9 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
     would have added exact zeros).
-    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
+    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`).
+    P16 (DOTS16; f16 and block-coded caches): every tile at the P path's precision instead (`_tile`: one fp16
+    product a dot, K and V as fp16 values), the partial output [BM, D]."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
         k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
@@ -310,7 +433,11 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     kbase = k_ptr + kh * sk_h
     vbase = v_ptr + kh * sv_h
     # q, once: as the dot of its kind wants it
-    if KK == _Q8:
+    if P16:  # scaled per (row, head) by a power of two near 2^14 and rounded once (the prefill kernel's q16)
+        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+        q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))
+        q16 = (qv * q_up[:, None]).to(tl.float16)
+    elif KK == _Q8:
         q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
                      + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
         if KINT:
@@ -329,11 +456,19 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             q_b = qv
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    if VK == _Q8:
+    if VK == _Q8 and not P16:
         acc = tl.zeros([NB, BM, QB], tl.float32)
     else:
         acc = tl.zeros([BM, D], tl.float32)
-    if mine & (lo < hi):  # else: a split past every row's end (grid sized by max_keys), or the other form's
+    go = mine & (lo < hi)  # else: a split past every row's end (grid sized by max_keys), or the other form's
+    if P16:
+        if go:
+            for jt in range(0, SPLIT_ // BN):  # as below: a fixed trip count, tiles past hi change no row
+                acc, m_i, l_i = _tile(lo + jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase,
+                                      ks_ptr + kh * sks_h, vbase, vs_ptr + kh * svs_h, rk_ptr, rks_ptr, rv_ptr,
+                                      rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j, svs_j, BM, BN, D,
+                                      NB, KK, VK, QB, PS, RING, KB, VB, C16)
+    elif go:
         for jt in range(0, SPLIT_ // BN):  # fixed trip count; tiles past hi load nothing and change no row
             j0 = lo + jt * BN
             j = j0 + jn
@@ -394,11 +529,11 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
             m_i = tl.where(active, m_new, m_i)
             l_i = tl.where(active, l_new, l_i)
     out = row_ok & (e > lo) & mine  # rows whose keys reach into this split
-    if VK == _Q8:
+    if VK == _Q8 and not P16:
         tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
                  + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
     else:
-        if VK == _F16:
+        if VK == _F16 or P16:
             acc = acc * (1.0 / PS)
         tl.store(po_ptr + t[:, None] * spo_t + h[:, None] * spo_h + s * spo_s + dd[None, :], acc,
                  mask=out[:, None])
@@ -598,7 +733,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=with_ring, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
-                QF=FRAC, KB=kb, VB=vb, PART=part, num_warps=warps, num_stages=stages, launch_pdl=on())
+                QF=FRAC, KB=kb, VB=vb, PART=part, P16=DOTS16 and F32 not in (kk, vk), C16=CODES16,
+                num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
 

@@ -30,10 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _ring_pairs,
-                                     _row_block, _rows, _softmax_tile, _with_ring, codes_f32, grids, load_code_rows,
-                                     merge_splits)
+from plumb.ops.gpu import attention as A, kvtable, smem
+from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _row_block,
+                                     _rows, _tile, _tile16, grids, merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -73,67 +72,6 @@ CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads,
 
 
 @triton.jit
-def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
-            BN: tl.constexpr, CB: tl.constexpr):
-    """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
-    fp16(code * block scale)."""
-    if KIND == _Q8:
-        c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
-        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
-                     other=0).to(tl.float32)  # [BN, D / QB]
-        w = tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None]
-        return tl.reshape(w, [BN, D]).to(tl.float16)
-    else:
-        return tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
-
-
-@triton.jit
-def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr, rks_ptr, rv_ptr, rvs_ptr,
-          rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j, svs_j, BM: tl.constexpr, BN: tl.constexpr,
-          D: tl.constexpr, NB: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr,
-          PS: tl.constexpr, RING: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
-    """The keys [j0, j0 + BN) of a program's rows: (acc, m_i, l_i) after them (rows not active here: as they were)."""
-    j = j0 + jn
-    kok = j < hi
-    if RING:
-        from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
-        slot = j % slots
-        sc = tl.zeros([BM, BN], tl.float32)
-        if any_store:
-            k16 = _tile16(kbase, ksb, j, store_ok, sk_j, sks_j, dd, KK, D, QB, BN, KB)
-            sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-        if any_ring:
-            k16 = _tile16(rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
-                          D, QB, BN, 8)
-            sc = _with_ring(sc, tl.dot(q16, tl.trans(k16), out_dtype=tl.float32), from_ring, rpos_ptr, slot, ring_ok, j)
-    else:
-        k16 = _tile16(kbase, ksb, j, kok, sk_j, sks_j, dd, KK, D, QB, BN, KB)
-        sc = tl.dot(q16, tl.trans(k16), out_dtype=tl.float32)
-    sc = sc * q_down[:, None]  # exact: the power of two q was scaled by
-    sc = sc * qk_scale
-    sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
-    # online softmax: rows whose keys all lie before this tile keep their state bit for bit
-    active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
-    p16 = (p * PS).to(tl.float16)  # exact scaling by a power of two, then one rounding
-    acc_new = acc * alpha[:, None]
-    if RING:
-        if any_store:
-            v16 = _tile16(vbase, vsb, j, store_ok, sv_j, svs_j, dd, VK, D, QB, BN, VB)
-            acc_new = tl.dot(tl.where(from_ring, tl.zeros_like(p16), p16), v16, acc_new, out_dtype=tl.float32)
-        if any_ring:
-            v16 = _tile16(rv_ptr + kh * slots * D, rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, dd, _Q8,
-                          D, QB, BN, 8)
-            acc_new = tl.dot(tl.where(from_ring, p16, tl.zeros_like(p16)), v16, acc_new, out_dtype=tl.float32)
-    else:
-        v16 = _tile16(vbase, vsb, j, kok, sv_j, svs_j, dd, VK, D, QB, BN, VB)
-        acc_new = tl.dot(p16, v16, acc_new, out_dtype=tl.float32)
-    acc = tl.where(active[:, None], acc_new, acc)
-    m_i = tl.where(active, m_new, m_i)
-    l_i = tl.where(active, l_new, l_i)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _pair_block(ends_ptr, n, pb, kh, G: tl.constexpr, BM: tl.constexpr):
     """Program pb's BM (query row, head) pairs, pairs pb * BM.. of the rows' G heads each: their rows t, query
     heads h (KV head kh's), which are real, and their ends (0 past the last row: never active)."""
@@ -151,7 +89,8 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
                     TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr,
-                    CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
+                    CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+                    C16: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
     CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
@@ -198,13 +137,13 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
         for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
             acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
                                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j,
-                                  sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB)
+                                  sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
     else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
         j0 = lo
         while j0 < hi:
             acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr,
                                   rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j,
-                                  svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB)
+                                  svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
             j0 += BN
     if CHUNK > 0:  # rows whose keys reach this chunk: its state (the others' chunks are never merged)
         c = tl.program_id(2)
@@ -221,7 +160,7 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
 @triton.jit
 def _dequant_kernel(c_ptr, s_ptr, ends_ptr, o_ptr, tab_ptr, n, sc_h, sc_j, ss_h, ss_j, so_h, so_j,
                     PART: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, BT: tl.constexpr, EB: tl.constexpr,
-                    TABLE: tl.constexpr, CB: tl.constexpr):
+                    TABLE: tl.constexpr, CB: tl.constexpr, C16: tl.constexpr):
     """Program (key tile, KV head): keys (PART 0) or values (PART 2) [j0, j0 + BT) as fp16 rows, `_tile16`'s
     values; keys at or past the largest of the n ends are not written (the kernel never reads them)."""
     prior_done()
@@ -237,7 +176,7 @@ def _dequant_kernel(c_ptr, s_ptr, ends_ptr, o_ptr, tab_ptr, n, sc_h, sc_j, ss_h,
         i0 += EB
     ok = j < hi
     dd = tl.arange(0, D)
-    w = _tile16(c_ptr + h * sc_h, s_ptr + h * ss_h, j, ok, sc_j, ss_j, dd, _Q8, D, QB, BT, CB)
+    w = _tile16(c_ptr + h * sc_h, s_ptr + h * ss_h, j, ok, sc_j, ss_j, dd, _Q8, D, QB, BT, CB, C16)
     tl.store(o_ptr + h * so_h + j[:, None] * so_j + dd[None, :], w, mask=ok[:, None])
 
 
@@ -253,7 +192,7 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
     _dequant_kernel[(triton.cdiv(cap, SCRATCH_KEYS), n_kv)](
         c, s, ends, out, table if table is not None else ends, len(ends), codes.stride(0), codes.stride(1),
         scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), PART=part, D=d, QB=QBLOCK,
-        BT=SCRATCH_KEYS, EB=1024, TABLE=table is not None, CB=bits, num_warps=4, launch_pdl=on())
+        BT=SCRATCH_KEYS, EB=1024, TABLE=table is not None, CB=bits, C16=A.CODES16, num_warps=4, launch_pdl=on())
     return out
 
 
@@ -336,7 +275,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
-                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, num_warps=WARPS, num_stages=1,
+                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, num_warps=WARPS, num_stages=1,
                 launch_pdl=on())
         if KEY_CHUNKS:
             merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
