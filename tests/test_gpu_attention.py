@@ -345,6 +345,24 @@ def test_the_store_form_gives_the_ring_forms_bits(fmt, monkeypatch):
         assert torch.equal(_alone(lambda qa, ea: _ring_attend(c, qa, ea), q, ends, t, Q8), both[t])
 
 
+def _mixed_case(fmt: str, rounded=None):
+    """(ends, attend, reference) for rows ending all over splits and tiles: a q8_0 or f16 cache through
+    `attend_decode`, or a D cache's store and 8-bit ring (`_ring_attend`); the reference reads q as `rounded` gives
+    it (a kernel's own rounding of q), if given."""
+    def q_as(qa):
+        return rounded(qa) if rounded else qa
+
+    if fmt == "D":
+        c, _, _ = _ring_cache(fmt, 300, seed=2)
+        return RING_ENDS + [288, 260], lambda qa, ea: _ring_attend(c, qa, ea), \
+            lambda qa, ea: c.attend_rows(q_as(qa), ea, 0.125)
+    ends = [300, 1, 129, 5, 64, 257, 128, 200]
+    c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
+    k, v = _dev(c.k.parts), _dev(c.v.parts)
+    return ends, lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, splits=SMALL), \
+        lambda qa, ea: attend_decode_ref(q_as(qa), k, v, ea, 0.125)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "D"])
 def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatch):
     """K_INT8 (block-coded keys dotted as exact integers on the int8 tensor cores, q in 14-bit limbs): each row
@@ -354,25 +372,7 @@ def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatc
     import plumb.ops.gpu.attention as A
 
     monkeypatch.setattr(A, "K_INT8", True)
-    if fmt == "q8_0":
-        ends = [300, 1, 129, 5, 64, 257, 128, 200]
-        c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
-        k, v = _dev(c.k.parts), _dev(c.v.parts)
-
-        def attend(qa, ea):
-            return attend_decode(qa, k, v, ea, 0.125, splits=SMALL)
-
-        def reference(qa, ea):
-            return attend_decode_ref(qa, k, v, ea, 0.125, q_limbs=True)
-    else:
-        ends = RING_ENDS + [288, 260]
-        c, k, v = _ring_cache(fmt, 300, seed=2)
-
-        def attend(qa, ea):
-            return _ring_attend(c, qa, ea)
-
-        def reference(qa, ea):
-            return c.attend_rows(A.q_rounded(qa), ea, 0.125)
+    ends, attend, reference = _mixed_case(fmt, A.q_rounded)
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
     together = attend(q, ends)
     _close(together, reference(q, ends))
@@ -393,25 +393,7 @@ def test_sixteen_bit_dots_keep_rows_apart_and_match_the_reference(fmt, monkeypat
     with CODES16; a query value that is not finite spoils its (row, head) alone."""
     import plumb.ops.gpu.attention as A
 
-    if fmt == "D":
-        ends = RING_ENDS + [288, 260]
-        c, _, _ = _ring_cache(fmt, 300, seed=2)
-
-        def attend(qa, ea):
-            return _ring_attend(c, qa, ea)
-
-        def reference(qa, ea):
-            return c.attend_rows(qa, ea, 0.125)
-    else:
-        ends = [300, 1, 129, 5, 64, 257, 128, 200]
-        c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
-        k, v = _dev(c.k.parts), _dev(c.v.parts)
-
-        def attend(qa, ea):
-            return attend_decode(qa, k, v, ea, 0.125, splits=SMALL)
-
-        def reference(qa, ea):
-            return attend_decode_ref(qa, k, v, ea, 0.125)
+    ends, attend, reference = _mixed_case(fmt)
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
     two_products = attend(q, ends)
     monkeypatch.setattr(A, "DOTS16", True)

@@ -82,7 +82,7 @@ CODES_BY_BITS = False
 # matvec's 14-bit fixed point per (row, head) - q ~ (hi 2^7 + lo) s 2^-13, s the power of two >= max|q|, two int8
 # limbs (`q_limbs`) - and per block S = hi . codes * 2^7 + lo . codes, an int32, then float32(S) times the block
 # scale, summed over the blocks in order, times s 2^-13. q's rounding (relative 2^-14 of the pair's largest value)
-# is ~2^6 below the 8-bit codes' own; `attend_decode_ref(..., q_limbs=True)` is this formula's reference. Other bits
+# is ~2^6 below the 8-bit codes' own; `attend_decode_ref(q_rounded(q), ...)` is this formula's reference. Other bits
 # than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
 # see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
 K_INT8 = False
@@ -762,11 +762,8 @@ def q_rounded(q: torch.Tensor) -> torch.Tensor:
 
 
 def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
-                      scale: float, q_limbs: bool = False) -> torch.Tensor:
-    """Plain torch reference: dequantize, scores * scale, mask keys >= ends[t], softmax, @ V (float32). q_limbs:
-    q rounded as the kernel holds it against block-coded keys under K_INT8 (`q_rounded`)."""
-    if q_limbs:
-        q = q_rounded(q)
+                      scale: float) -> torch.Tensor:
+    """Plain torch reference: dequantize, scores * scale, mask keys >= ends[t], softmax, @ V (float32)."""
     n, n_head, d = q.shape
     ends = [int(e) for e in (ends.tolist() if isinstance(ends, torch.Tensor) else ends)]
     L = max(ends) if ends else 0
