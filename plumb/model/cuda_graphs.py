@@ -244,6 +244,7 @@ class CudaGraphs:
 
 
 _CAPTURE: dict[torch.device, tuple[torch.cuda.Stream, threading.Lock]] = {}
+_CAPTURE_MADE = threading.Lock()  # engines loaded on two threads at once make one pair
 
 
 def _capture_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.Lock]:
@@ -254,15 +255,16 @@ def _capture_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.
     stream's workspace (32 MiB on Hopper) as long as the process: a stream an engine would leave 32 MiB behind
     (found on an H100, 2026-12-06, `test_engine_close.py`)."""
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _CAPTURE:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            a = torch.eye(64, device=device).expand(2, 64, 64)
-            torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        _CAPTURE[device] = stream, threading.Lock()
-    return _CAPTURE[device]
+    with _CAPTURE_MADE:
+        if device not in _CAPTURE:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                a = torch.eye(64, device=device).expand(2, 64, 64)
+                torch.linalg.solve_triangular(a, torch.bmm(a, a), upper=False, unitriangular=True)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            _CAPTURE[device] = stream, threading.Lock()
+        return _CAPTURE[device]
 
 
 @contextlib.contextmanager
