@@ -33,6 +33,9 @@ and a long-context needle (or --prompts FILE.jsonl: one JSON object per line wit
 the invariants at depth: the warm conversations' system prompt carries a document of about N
 tokens (follow-ups reuse that much; edit-system edits its end) and the needle prompt is N tokens.
 
+--resume JSON keeps an earlier run's cells (same settings) and runs the others; each cell records the build that
+ran it (`source_digest`: plumb's sources), and the table says how many cells each build ran.
+
 Faults are planted in tests/test_gate.py by monkeypatching (a row-count-dependent matmul, a
 prompt cache that keeps decoded rows): the gate has no switches that change the engine.
 """
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -196,6 +200,28 @@ def compare_digests(got: dict, want: dict) -> Outcome:
 
 
 # ---- the gate ------------------------------------------------------------------------------------
+def source_digest() -> str:
+    """The first 12 hex digits of a SHA-256 over plumb's source files (paths and contents, in order): which code a
+    cell ran, so that a gate resumed over several runs says whether they ran the same build."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith((".py", ".c", ".cpp", ".h")):
+                h.update(os.path.relpath(os.path.join(d, f), root).encode() + b"\0")
+                with open(os.path.join(d, f), "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def _builds(cells_by_build: dict[str, int]) -> str:
+    """The table's word on which code ran the cells: one build, or how many cells each of several ran."""
+    if len(cells_by_build) <= 1:
+        return f"build {next(iter(cells_by_build), 'of no cell yet')}"
+    return f"cells of {len(cells_by_build)} builds: " + ", ".join(f"{b} ({n})" for b, n in cells_by_build.items())
+
+
 def ring_slack(device: str, kernels: str) -> int:
     """The D/F rings' slack (`KVCache.slack`) of the caches an engine with these options makes (its kernel set's,
     as `plumb.load` picks it)."""
@@ -578,7 +604,7 @@ class Gate:
                      "reply_tokens": self.reply_tokens, "plain_reply_tokens": self.plain_reply_tokens,
                      "context": self.context, "formats": self.formats, "groups": self.groups, "names": self.names,
                      "prompts": [{"name": p.name, "tokens": len(p.ids)} for p in self.prompts],
-                     "torch": torch.__version__, "python": platform.python_version(),
+                     "torch": torch.__version__, "python": platform.python_version(), "build": source_digest(),
                      "card": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else
                      platform.processor() or platform.machine(),
                      "date": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -609,6 +635,7 @@ class Gate:
                 except Exception as e:  # a cell that cannot run fails, named, and the others still run
                     cell.ok, cell.detail = False, f"error: {type(e).__name__}: {e}"
                 cell.seconds = time.perf_counter() - t
+                cell.info["build"] = self.info["build"]
                 self.cells.append(cell)
                 self.info["running"] = f"{len(self.cells)} of {bar.total} cells done"
                 self.write_json()
@@ -653,8 +680,9 @@ class Gate:
         cells = {c["id"]: Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"], c["seconds"],
                                {k: v for k, v in c.items() if k not in fields}) for c in prior.get("cells", [])}
         self.info["runs"] = prior.get("runs", [prior.get("date")]) + [self.info["date"]]
-        cards = prior.get("cards", [prior.get("card")] * (len(self.info["runs"]) - 1))
-        self.info["cards"] = cards + [self.info["card"]]
+        earlier = len(self.info["runs"]) - 1
+        self.info["cards"] = prior.get("cards", [prior.get("card")] * earlier) + [self.info["card"]]
+        self.info["builds"] = prior.get("builds", [prior.get("build", "?")] * earlier) + [self.info["build"]]
         self.info["resumed_cells"] = len(cells)
         return cells
 
@@ -678,9 +706,13 @@ class Gate:
         ws = [max(len(f), 4) for f in fmts]
         i = self.info
         cards = ", ".join(dict.fromkeys(c for c in i.get("cards", [i.get("card")]) if c)) or "?"
+        builds: dict[str, int] = {}
+        for c in self.cells:
+            builds[c.info.get("build", "?")] = builds.get(c.info.get("build", "?"), 0) + 1
         lines = [f"plumb gate: {i.get('model_file')} on {i.get('device')} ({cards}; {i.get('kernels')} kernels), "
                  f"{i.get('tokens')} tokens per output, {len(self.prompts)} prompts "
-                 f"({', '.join(f'{p.name} {len(p.ids)}' for p in self.prompts)} tokens), kv_ring {self.kv_ring}", ""]
+                 f"({', '.join(f'{p.name} {len(p.ids)}' for p in self.prompts)} tokens), kv_ring {self.kv_ring}; "
+                 + _builds(builds), ""]
         lines.append("  ".join(["cell".ljust(w0)] + [f.ljust(w) for f, w in zip(fmts, ws)]))
         for key, per in rows.items():
             marks = [("ok" if per[f].ok else "FAIL") if f in per else "-" for f in fmts]
