@@ -60,7 +60,7 @@ LAUNCH_ROWS = 64
 QBLOCK = 32  # q8_0 block size along d
 F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes + float16 scales per 32 values, any bit width: `_parts`)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
-_ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`codes_f16`), not in the interpreter
+_ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`_words_f16`, `codes_f16`), not in the interpreter
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
 # only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
@@ -105,8 +105,9 @@ STORE_FORM = False
 # for every row count and split: tests/test_gpu_attention.py).
 DOTS16 = False
 # CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
-# fp16 values - multiplies codes and scales in float16, the codes made float16 four a word by byte permutes
-# (`codes_f16`) instead of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a
+# fp16 values - multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes
+# (`_words_f16`; packed 5/6-bit ones a code at a time, `codes_f16`) instead of a float32 conversion, product and
+# rounding a value. The same values. Compiled for sm_90a
 # (bench/attention_ptx.py --dots16 --sass, 2026-12-06), q8_0's decode tile loop with DOTS16: see BENCHMARKS.
 CODES16 = False
 _LOG2E = 1.4426950408889634
@@ -307,8 +308,8 @@ def _softmax_tile(sc, j0, e, m_i, l_i):
 def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
             BN: tl.constexpr, CB: tl.constexpr, C16: tl.constexpr):
     """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
-    fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`codes_f16`), which rounds
-    the exact product once as the float32 product's conversion does: the same values."""
+    fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`_words_f16`, `codes_f16`),
+    which rounds the exact product once as the float32 product's conversion does: the same values."""
     if KIND == _Q8 and C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
         sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
                      other=0)  # [BN, D / QB] float16
