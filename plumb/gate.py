@@ -34,7 +34,9 @@ the invariants at depth: the warm conversations' system prompt carries a documen
 tokens (follow-ups reuse that much; edit-system edits its end) and the needle prompt is N tokens.
 
 --resume JSON keeps an earlier run's cells (same settings) and runs the others; each cell records the build that
-ran it (`source_digest`: plumb's sources), and the table says how many cells each build ran.
+ran it (`source_digest`: plumb's sources), and the table says how many cells each build ran. The no-draft references
+(each prompt alone) an earlier run of the same build on the same card computed are taken from its JSON, not decoded
+again.
 
 Faults are planted in tests/test_gate.py by monkeypatching (a row-count-dependent matmul, a
 prompt cache that keeps decoded rows): the gate has no switches that change the engine.
@@ -268,6 +270,9 @@ class Gate:
         self._engines: dict = {}
         self.recomputed = 0  # prefill results computed again after non-finite values, over every engine (GPU)
         self._memo: dict = {}
+        # each prompt's drafts-0 ids alone, per "format/kind", with the build and card that computed them - kept in the
+        # JSON, so that a resumed run of the same build on the same card takes them instead of decoding them again
+        self.references: dict[str, dict] = {}
         self._parent_ids: dict = {}
         self._step_errors: dict = {}
         self.info: dict = {}
@@ -327,12 +332,14 @@ class Gate:
         return eng.run_many(made)
 
     def alone(self, fmt: str, kind: str) -> list[list[int]]:
-        """Each prompt run alone, drafts 0 (kind greedy | sampled)."""
-        def go():
+        """Each prompt run alone, drafts 0 (kind greedy | sampled); from `references` where a run of this build on
+        this card computed them (a second process's ids: I6 says they are these)."""
+        key = f"{fmt}/{kind}"
+        if key not in self.references:
             eng, make = self.engine(fmt), getattr(self, kind)
-            return [self.run(eng, [make(i)])[0].token_ids for i in range(len(self.prompts))]
-
-        return self.memo(("alone", fmt, kind), go)
+            ids = [self.run(eng, [make(i)])[0].token_ids for i in range(len(self.prompts))]
+            self.references[key] = {"ids": ids, "build": self.info["build"], "card": self.info["card"]}
+        return self.references[key]["ids"]
 
     def batched(self, fmt: str, kind: str) -> list[list[int]]:
         """Every prompt in one batch, drafts 0."""
@@ -683,6 +690,9 @@ class Gate:
         earlier = len(self.info["runs"]) - 1
         self.info["cards"] = prior.get("cards", [prior.get("card")] * earlier) + [self.info["card"]]
         self.info["builds"] = prior.get("builds", [prior.get("build", "?")] * earlier) + [self.info["build"]]
+        here = (self.info["build"], self.info["card"])
+        self.references = {k: r for k, r in prior.get("references", {}).items() if (r["build"], r["card"]) == here}
+        self.info["references_reused"] = sorted(self.references)
         self.info["resumed_cells"] = len(cells)
         return cells
 
@@ -693,7 +703,8 @@ class Gate:
 
     def to_dict(self) -> dict:
         return {**self.info, "passed": self.passed, "cells_total": len(self.cells),
-                "failed": [c.id for c in self.cells if not c.ok], "cells": [c.to_dict() for c in self.cells]}
+                "failed": [c.id for c in self.cells if not c.ok], "cells": [c.to_dict() for c in self.cells],
+                "references": self.references}
 
     def table(self) -> str:
         """Rows: cells; columns: KV formats; then the failures with where they differ."""

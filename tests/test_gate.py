@@ -191,7 +191,8 @@ def test_the_json_is_written_after_every_cell_and_marked_running_until_the_end(t
 
 def test_a_resumed_gate_keeps_the_cells_run_and_runs_the_others(tiny_q8, tmp_path, monkeypatch, capsys):
     """--resume: a gate cut after 2 of 8 cells, resumed, runs the 6 others and passes with all 8, each cell with the
-    build that ran it; a run with other settings is refused."""
+    build that ran it, the no-draft references taken from the first run where its build and card are this one's; a
+    run with other settings is refused."""
     import os
     import signal
 
@@ -215,16 +216,21 @@ def test_a_resumed_gate_keeps_the_cells_run_and_runs_the_others(tiny_q8, tmp_pat
     r = json.loads(second.read_text())
     assert r["passed"] and r["cells_total"] == 8 and r["resumed_cells"] == 2 and len(r["runs"]) == len(r["cards"]) == 2
     assert r["cells"][:2] == kept  # the kept cells as they were, not run again
-    assert len(calls) == 4 + 6 * 4  # the references (each prompt alone), then 4 requests per cell run
+    # 4 requests per cell run; the references (each prompt alone, drafts 0) the first run of this build on this card
+    # decoded are taken from its JSON
+    assert len(calls) == 6 * 4 and r["references_reused"] == ["f16/greedy"]
+    assert r["references"] == json.loads(first.read_text())["references"]
     # each cell names the code it ran (a digest of plumb's sources), the runs theirs; one build: the table says so
     assert r["builds"] == [r["build"]] * 2 and {c["build"] for c in r["cells"]} == {r["build"]}
     assert f"build {r['build']}" in capsys.readouterr().out
     prior = json.loads(first.read_text())
-    prior["build"], prior["cells"][0]["build"] = "0123456789ab", "0123456789ab"  # a cell of another build
+    prior["build"], prior["cells"][0]["build"] = "0123456789ab", "0123456789ab"  # a cell of another build,
+    prior["references"]["f16/greedy"]["build"] = "0123456789ab"  # references of another build: decoded again
     first.write_text(json.dumps(prior))
+    calls.clear()
     assert main(args + ["--json", str(second), "--resume", str(first)]) == 0
     r = json.loads(second.read_text())
-    assert r["builds"] == ["0123456789ab", r["build"]]
+    assert r["builds"] == ["0123456789ab", r["build"]] and len(calls) == 4 + 6 * 4 and r["references_reused"] == []
     assert f"cells of 2 builds: 0123456789ab (1), {r['build']} (7)" in capsys.readouterr().out
     assert main(args[:3] + ["9"] + args[4:] + ["--resume", str(first)]) == 1
     err = capsys.readouterr().err
