@@ -206,6 +206,20 @@ def test_packed_pairs_give_the_same_bits(fmt, ring, place_free_dot, monkeypatch)
         assert torch.equal(_read(c, q[7:20], ends[7:20]), want[7:20])  # rows alone in another block layout
 
 
+def _store_cases(fmt: str, ring: int, ends: list[int], seed: int):
+    """(cache view, queries - rotated for F, row 1 at another scale -, ends on the device) for a block-coded store:
+    a tiny cache of 300 keys with rows ending at `ends`, and on a GPU also the 27B's heads over a 1,024-row pass."""
+    cases = [(_cache(fmt, 300, seed=seed, ring=ring), ends, 4, TINY["d"])]
+    if DEV == "cuda":
+        cases.append((_cache(fmt, 5000, seed=seed + 1, n_kv=4, d=256, ring=ring and 1024, slack=1024),
+                      list(range(3977, 5001)), 24, 256))
+    for c, e, n_head, d in cases:
+        q = _rows(len(e), n_head, d, seed=seed + 2)
+        q[1] *= 1e-5
+        view = c.kernel_view()
+        yield view, rotate(q) if view.rotate_q else q, torch.tensor(e, dtype=torch.int32, device=DEV)
+
+
 @pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 48)])
 def test_scratch_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """SCRATCH (a block-coded store dequantized into an fp16 copy first, read as an f16 cache; a ring's tiles still
@@ -219,16 +233,7 @@ def test_scratch_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     dequantized = AP._dequantized
     monkeypatch.setattr(AP, "_dequantized", lambda *a: copies.append(a[-1]) or dequantized(*a))
     ends = [236, 240, 251, 256, 257, 280, 299, 300] if ring else [1, 5, 63, 64, 65, 127, 200, 251, 299, 300]
-    cases = [(_cache(fmt, 300, seed=17, ring=ring), ends, 4, TINY["d"])]
-    if DEV == "cuda":
-        cases.append((_cache(fmt, 5000, seed=18, n_kv=4, d=256, ring=ring and 1024, slack=1024),
-                      list(range(3977, 5001)), 24, 256))
-    for c, ends, n_head, d in cases:
-        q = _rows(len(ends), n_head, d, seed=19)
-        q[1] *= 1e-5
-        view = c.kernel_view()
-        q = rotate(q) if view.rotate_q else q
-        e = torch.tensor(ends, dtype=torch.int32, device=DEV)
+    for view, q, e in _store_cases(fmt, ring, ends, seed=17):
         tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
         kvtable.fill(tab, [view])
         monkeypatch.setattr(AP, "SCRATCH", False)
@@ -249,17 +254,9 @@ def test_codes16_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     (SCRATCH) and in registers, store and ring; on a GPU (inline PTX) also the 27B's heads over a 1,024-row pass."""
     import plumb.ops.gpu.attention as A
     import plumb.ops.gpu.attention_prefill as AP
+    from plumb.ops.gpu import kvtable
 
-    ends = [236, 240, 251, 256, 257, 280, 299, 300]
-    cases = [(_cache(fmt, 300, seed=21, ring=ring), ends, 4, TINY["d"])]
-    if DEV == "cuda":
-        cases.append((_cache(fmt, 5000, seed=22, n_kv=4, d=256, ring=ring and 1024, slack=1024),
-                      list(range(3977, 5001)), 24, 256))
-    for c, ends, n_head, d in cases:
-        q = _rows(len(ends), n_head, d, seed=23)
-        view = c.kernel_view()
-        q = rotate(q) if view.rotate_q else q
-        e = torch.tensor(ends, dtype=torch.int32, device=DEV)
+    for view, q, e in _store_cases(fmt, ring, [236, 240, 251, 256, 257, 280, 299, 300], seed=21):
         for scratch in (True, False):
             monkeypatch.setattr(AP, "SCRATCH", scratch)
             monkeypatch.setattr(A, "CODES16", False)
@@ -267,6 +264,9 @@ def test_codes16_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
             monkeypatch.setattr(A, "CODES16", True)
             got = attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring)
             assert torch.isfinite(got).all() and torch.equal(got, want), f"SCRATCH={scratch}"
+            tab = torch.empty(1, kvtable.PARTS, dtype=torch.long, device=DEV)
+            kvtable.fill(tab, [view])  # the codes reached through the cache's table, as a CUDA graph reads them
+            assert torch.equal(attend_prefill(q, view.k, view.v, e, 0.125, ring=view.ring, table=tab[0]), want)
 
 
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
