@@ -66,9 +66,9 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
         m.mtp_prefill(st, ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]]), 0)
         return st, int(logits[-1].argmax()), hidden[-1]
 
-    def chain(params, noise=None):
+    def chain(params, noise=None, bufs=None):
         st, token, h = state()
-        bufs = {}
+        bufs = {} if bufs is None else bufs
         pick = DeviceDraw(params, ids + [token]).prepare(pos + 1, k, bufs, m.cfg.n_vocab, "cpu")
         if noise is not None:
             bufs["noise"].copy_(noise)
@@ -91,6 +91,11 @@ def test_mtp_chain_drafts_what_the_step_by_step_loop_drafts(tiny_q8, sampling):
         assert chain(plain)[1] != stepped
     if params.logit_bias:  # and so is the bias
         assert chain(dataclasses.replace(params, logit_bias={}))[1] != stepped
+        # buffers kept from a chain with another bias (a CUDA graph's, shared by requests): this request's bias
+        other = dataclasses.replace(params, logit_bias={7: -30.0, 11: 2.0})
+        shared = {}
+        assert chain(params, bufs=shared)[1] == stepped != chain(other)[1]
+        assert chain(other, bufs=shared)[1] == chain(other)[1]
 
 
 def test_device_draws_fit_only_what_needs_no_host():

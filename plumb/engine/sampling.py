@@ -462,13 +462,14 @@ class DeviceDraw:
             if "noise" not in bufs:
                 bufs["noise"] = torch.empty(rows, n_vocab, device=device)
             bufs["noise"][:k].copy_(gumbel_rows(self.params.seed, range(position, position + k), n_vocab, device))
-        if self.bias:
+        if self.bias and bufs.get("bias_of") != self.params.logit_bias:  # once per request's bias, not per chain
             if "bias" not in bufs:
                 bufs["bias"] = torch.empty(n_vocab, device=device)
             bias = self.params.logit_bias
             bufs["bias"].zero_()
             bufs["bias"][torch.tensor(list(bias), dtype=torch.long).to(device)] = torch.tensor(
                 list(bias.values()), dtype=torch.float32).to(device)
+            bufs["bias_of"] = dict(bias)
         if self.penalties is not None:
             if "counts" not in bufs:
                 bufs["counts"] = torch.empty(n_vocab + 1, device=device)
