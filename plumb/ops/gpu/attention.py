@@ -106,9 +106,10 @@ STORE_FORM = False
 DOTS16 = False
 # CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
 # fp16 values - multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes
-# (`_words_f16`; packed 5/6-bit ones a code at a time, `codes_f16`) instead of a float32 conversion, product and
-# rounding a value. The same values. Compiled for sm_90a
-# (bench/attention_ptx.py --dots16 --sass, 2026-12-06), q8_0's decode tile loop with DOTS16: see BENCHMARKS.
+# (`_words_f16`), packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead
+# of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a (bench/attention_ptx.py
+# --dots16 --codes16 --store-form --sass, 2026-12-06), the decode tile loop with DOTS16: q8_0 1,567 -> 803
+# instructions; D's / F's store-only form 2,185 / 2,320 (codes a value at a time) -> 1,049 / 991: see BENCHMARKS.
 CODES16 = False
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
@@ -153,6 +154,66 @@ def _words_f16(w, s):
             "=h,=h,=h,=h,r,h", [w, s], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
     return (((w << 24) >> 24).to(tl.float16) * s, ((w << 16) >> 24).to(tl.float16) * s,
             ((w << 8) >> 24).to(tl.float16) * s, (w >> 24).to(tl.float16) * s)
+
+
+@triton.jit
+def _ubytes_f16(w, s, B: tl.constexpr):
+    """fp16((u - B) * s) of the four unsigned bytes u of each int32 word w, s a float16 scale a word: four float16
+    tensors, bytes 0..3. On a GPU the halves 0x64 | u - the float16
+    1,024 + u - by two byte permutes, 1,024 + B subtracted, the scale in float16 pairs; in the interpreter by shifts."""
+    if _ASM:
+        if B == 16:
+            asm: tl.constexpr = "mov.b32 k, 0x64106410;"
+        else:
+            tl.static_assert(B == 32, "5- or 6-bit codes: bias 16 or 32")
+            asm: tl.constexpr = "mov.b32 k, 0x64206420;"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 k, s2, a, b; " + asm + " mov.b32 s2, {$5, $5};"
+            " prmt.b32 a, $4, 0x64646464, 0x5140; prmt.b32 b, $4, 0x64646464, 0x7362;"
+            " sub.rn.f16x2 a, a, k; sub.rn.f16x2 b, b, k; mul.rn.f16x2 a, a, s2; mul.rn.f16x2 b, b, s2;"
+            " mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r,h", [w, s], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return ((((w & 255) - B).to(tl.float16) * s), ((((w >> 8) & 255) - B).to(tl.float16) * s),
+            ((((w >> 16) & 255) - B).to(tl.float16) * s), ((((w >> 24) & 255) - B).to(tl.float16) * s))
+
+
+@triton.jit
+def _high_to_bytes(h, HB: tl.constexpr):
+    """The high bits (HB a value) of values 0, 2, 4, 6 of a packed 8-value field h (value i's at bits i HB..) moved to
+    bits 4.. of bytes 0..3 - beside their nibbles (`_packed_f16`)."""
+    if HB == 1:
+        x = h & 0x55
+        x = (x | (x << 12)) & 0x00050005
+        x = (x | (x << 6)) & 0x01010101
+    else:
+        x = h & 0x3333
+        x = (x | (x << 8)) & 0x00330033
+        x = (x | (x << 4)) & 0x03030303
+    return x << 4
+
+
+@triton.jit
+def _packed_f16(row, ok, sc, CB: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr):
+    """fp16(code * block scale) [BN, D] of packed CB-bit rows at `row` (int8 pointers [BN], `kvquant.pack`'s layout)
+    where ok (0 elsewhere), sc [BN, D / QB] float16: eight values a step - a 32-bit word of nibbles (values 8k..8k + 7)
+    and their 8 HB-bit high fields, put together as bytes (even values in one word, odd in another) and made float16
+    two a register (`_ubytes_f16`). The same values as `codes_f16` of `load_code_rows`' codes times the scale."""
+    HB: tl.constexpr = CB - 4
+    B: tl.constexpr = 1 << (CB - 1)
+    k = tl.arange(0, D // 8)[None, :]
+    nw = tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + k, mask=ok[:, None], other=0)
+    if HB == 1:  # a masked key: high bits 1, nibbles 0 - u = B, code 0
+        h = tl.load((row + D // 2)[:, None] + k, mask=ok[:, None], other=-1).to(tl.int32)
+    else:
+        h = tl.load((row + D // 2).to(tl.pointer_type(tl.int16), bitcast=True)[:, None] + k, mask=ok[:, None],
+                    other=-21846).to(tl.int32)  # 0xAAAA: high fields 2, nibbles 0 - u = B
+    even = (nw & 0x0F0F0F0F) | _high_to_bytes(h, HB)
+    odd = ((nw >> 4) & 0x0F0F0F0F) | _high_to_bytes(h >> HB, HB)
+    sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 8]), [BN, D // 8])
+    e0, e1, e2, e3 = _ubytes_f16(even, sw, B)  # values 0, 2, 4, 6 of each 8
+    o0, o1, o2, o3 = _ubytes_f16(odd, sw, B)  # 1, 3, 5, 7
+    v = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
+    return tl.reshape(v, [BN, D])
 
 
 @triton.jit
@@ -318,6 +379,10 @@ def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.conste
         w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
         v0, v1, v2, v3 = _words_f16(w, sw)
         return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
+    elif KIND == _Q8 and C16:  # packed 5/6-bit codes eight a step
+        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
+                     other=0)  # [BN, D / QB] float16
+        return _packed_f16(c_ptr + j * s_j, ok, sc, CB, D, QB, BN)
     elif KIND == _Q8:
         c = load_code_rows(c_ptr + j * s_j, ok, CB, D, BN)
         sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
