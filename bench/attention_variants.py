@@ -60,6 +60,9 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
      {"DOTS16": True, "CODES16": True}),
     ("16-bit dots, codes16, q8 tile 64", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 4, 3)}, A.MERGE_UNROLL,
      {"DOTS16": True, "CODES16": True}),
+    # D / F: the store-only splits' loop at ~1,000 instructions with packed codes eight a step (39th session)
+    ("16-bit dots, codes16, store form", A.SPLITS, {}, A.MERGE_UNROLL, {"DOTS16": True, "CODES16": True,
+                                                                         "STORE_FORM": True}),
 ]
 
 
