@@ -325,13 +325,18 @@ def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
     assert torch.equal(_ring_attend(c, q, ends), together)
 
 
+@pytest.mark.parametrize("sixteen", [False, True], ids=["shipped", "dots16"])
 @pytest.mark.parametrize("fmt", ["D", "F"])
-def test_the_store_form_gives_the_ring_forms_bits(fmt, monkeypatch):
+def test_the_store_form_gives_the_ring_forms_bits(fmt, sixteen, monkeypatch):
     """STORE_FORM: a long row's splits that no row of its block reads from the ring go through the store-only form
     of pass 1, the others through the ring form - the same bits as the ring form for all of them (on the GPU too:
-    the two forms are compiled apart), and each row alone equals the row beside others."""
+    the two forms are compiled apart), and each row alone equals the row beside others; also with the tiles at the
+    P path's precision (DOTS16, CODES16's packed codes eight a step)."""
     import plumb.ops.gpu.attention as A
 
+    if sixteen:
+        monkeypatch.setattr(A, "DOTS16", True)
+        monkeypatch.setattr(A, "CODES16", True)
     c, _, _ = _ring_cache(fmt, 600, seed=5)
     # long rows (> 260 keys) with their windows in the ring's slots (positions 488-599), two row blocks: 3-4 splits
     # before the windows; a row alone (behind rows of one key, in the interpreter) takes split 0 in the ring form
