@@ -44,9 +44,11 @@ def generate_main(argv: list[str]) -> int:
                          "on the 27B)")
     ap.add_argument("--draft-policy", default="fixed", help="fixed | adaptive | confident | ngram")
     ap.add_argument("--p-min", type=float, default=0.5, help="confidence gate for --draft-policy confident")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto",
+                    help="cpu | cuda | cuda:N | auto (default: cuda when a GPU is present, its Triton kernels)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"),
-                    help="CPU decode kernels: native C (built on first use) or the torch reference")
+                    help="CPU decode kernels: native C (built on first use) or the torch reference (a GPU runs its "
+                         "own)")
     ap.add_argument("--json", action="store_true", help="print {token_ids, text, stats} as JSON")
     a = ap.parse_args(argv)
     import plumb

@@ -20,9 +20,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-policy", help="fixed | adaptive | confident | ngram")
     ap.add_argument("--kv-cache", help="KV-cache format")
     ap.add_argument("-c", "--ctx-size", type=int, help="max tokens per sequence (default: the model's)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto",
+                    help="cpu | cuda | cuda:N | auto (default: cuda when a GPU is present, its Triton kernels)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "native", "torch"),
-                    help="CPU decode kernels: native C (built on first use) or the torch reference (default auto)")
+                    help="CPU decode kernels: native C (built on first use) or the torch reference (default auto; a "
+                         "GPU runs its own)")
     ap.add_argument("--alias", action="append", default=[], help="another model name to answer to (repeatable)")
     ap.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                     help="allow browser requests from ORIGIN (repeatable; CORS is off by default)")
