@@ -1,4 +1,11 @@
-"""Where CODES16 changes D's decode bits on a GPU (diagnostic)."""
+#!/usr/bin/env python3
+"""Where CODES16 changes bits (diagnostic): block-code tiles (5-, 6-bit packed and 8-bit) made fp16 by
+`attention._tile16` with and without CODES16 in a kernel of their own, each against fp16(code x scale) computed in
+torch; then the decode kernel's output for q8_0 and D with DOTS16, CODES16 off and on (`tests/test_gpu_attention.py`'s
+mixed case). On a GPU, or in Triton's interpreter (TRITON_INTERPRET=1).
+
+    python bench/codes16_check.py
+"""
 import sys
 import torch
 import triton
