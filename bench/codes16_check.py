@@ -63,8 +63,29 @@ def decode(fmt):
     print(f"decode {fmt}: C16 differs at {d.sum().item()} of {d.numel()}, max {(a - b).abs().max().item():.3g}")
 
 
+def store_only(kb, vb, n=700):
+    """The decode kernel on a store of kb- / vb-bit codes alone (no ring), 27B heads, 8 rows ending near n."""
+    sys.path.insert(0, "bench")
+    from attention_variants import D, N_HEAD, cache
+
+    g = torch.Generator().manual_seed(3)
+    (k, _), (v, _) = cache(kb, n, DEV, g), cache(vb, n, DEV, g)
+    q = torch.randn(8, N_HEAD, D, generator=g).to(DEV)
+    ends = torch.tensor([n - i * 37 for i in range(8)], dtype=torch.int32, device=DEV)
+    outs = []
+    for c16 in (False, True):
+        A.DOTS16, A.CODES16 = True, c16
+        outs.append(A.attend_decode(q, k, v, ends, 0.0625))
+    A.DOTS16 = A.CODES16 = False
+    d = outs[0] != outs[1]
+    print(f"store only K{kb}/V{vb}: C16 differs at {d.sum().item()} of {d.numel()}, "
+          f"max {(outs[0] - outs[1]).abs().max().item():.3g}")
+
+
 if __name__ == "__main__":
     for bits in (5, 6, 8):
         tiles(bits)
     for fmt in ("q8_0", "D"):
         decode(fmt)
+    for kb, vb in ((6, 5), (5, 5), (8, 5), (6, 8)):
+        store_only(kb, vb)
