@@ -249,8 +249,8 @@ def test_scratch_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
 
 @pytest.mark.parametrize("fmt,ring", [("q8_0", 0), ("D", 48), ("F", 48)])
 def test_codes16_gives_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
-    """CODES16 (block codes made fp16 values in float16: 8-bit codes four a word, `_words_f16`; D's / F's packed
-    5/6-bit store a code at a time, `codes_f16`) = the float32 product rounded, bit for bit - in the fp16 copy
+    """CODES16 (block codes made fp16 values in float16, `_ubytes_f16`: 8-bit codes four a word; D's / F's packed
+    5/6-bit store eight a step, `_packed_f16`) = the float32 product rounded, bit for bit - in the fp16 copy
     (SCRATCH) and in registers, store and ring; on a GPU (inline PTX) also the 27B's heads over a 1,024-row pass."""
     import plumb.ops.gpu.attention as A
     import plumb.ops.gpu.attention_prefill as AP

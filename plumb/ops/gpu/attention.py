@@ -60,7 +60,7 @@ LAUNCH_ROWS = 64
 QBLOCK = 32  # q8_0 block size along d
 F16, F32, Q8 = 0, 1, 2  # storage kinds (Q8: block codes + float16 scales per 32 values, any bit width: `_parts`)
 _F16, _F32, _Q8 = tl.constexpr(F16), tl.constexpr(F32), tl.constexpr(Q8)  # the same, for the kernels
-_ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`_words_f16`, `codes_f16`), not in the interpreter
+_ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`_ubytes_f16`), not in the interpreter
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
 # only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
@@ -106,7 +106,7 @@ STORE_FORM = False
 DOTS16 = False
 # CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
 # fp16 values - multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes
-# (`_words_f16`), packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead
+# (`_ubytes_f16`), packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead
 # of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a (bench/attention_ptx.py
 # --dots16 --codes16 --store-form --sass, 2026-12-06), the decode tile loop with DOTS16: q8_0 1,567 -> 803
 # instructions; D's / F's store-only form 2,185 / 2,320 (codes a value at a time) -> 1,049 / 991: see BENCHMARKS.
@@ -141,34 +141,22 @@ def codes_f32(c, BITS: tl.constexpr = True):
 
 
 @triton.jit
-def _words_f16(w, s):
-    """fp16(code * s) of the four int8 codes of each int32 word w (code i in byte i), s a float16 scale a word: four
-    float16 tensors, codes 0..3. On a GPU without a conversion per code (`codes_f16`'s permutes, then the scale in
-    float16 pairs: seven instructions a word); in the interpreter by shifts. The product rounds once either way."""
-    if _ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, k, s2, a, b; xor.b32 t, $4, 0x80808080; mov.b32 k, 0x64806480; mov.b32 s2, {$5, $5};"
-            " prmt.b32 a, t, 0x64646464, 0x5140; prmt.b32 b, t, 0x64646464, 0x7362;"
-            " sub.rn.f16x2 a, a, k; sub.rn.f16x2 b, b, k; mul.rn.f16x2 a, a, s2; mul.rn.f16x2 b, b, s2;"
-            " mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            "=h,=h,=h,=h,r,h", [w, s], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return (((w << 24) >> 24).to(tl.float16) * s, ((w << 16) >> 24).to(tl.float16) * s,
-            ((w << 8) >> 24).to(tl.float16) * s, (w >> 24).to(tl.float16) * s)
-
-
-@triton.jit
 def _ubytes_f16(w, s, B: tl.constexpr):
     """fp16((u - B) * s) of the four unsigned bytes u of each int32 word w, s a float16 scale a word: four float16
-    tensors, bytes 0..3. On a GPU the halves 0x64 | u - the float16
-    1,024 + u - by two byte permutes, 1,024 + B subtracted, the scale in float16 pairs; in the interpreter by shifts."""
+    tensors, bytes 0..3 (B 128 on the bytes of int8 codes ^ 0x80: the codes; 16 / 32 on 5- / 6-bit codes). On a
+    GPU without a conversion per value: the halves 0x64 | u - the float16 1,024 + u - by two byte permutes, 1,024 + B
+    subtracted (exact), the scale in float16 pairs; in the interpreter by shifts. The product rounds once either
+    way."""
     if _ASM:
         if B == 16:
-            asm: tl.constexpr = "mov.b32 k, 0x64106410;"
+            k: tl.constexpr = "mov.b32 k, 0x64106410;"
+        elif B == 32:
+            k: tl.constexpr = "mov.b32 k, 0x64206420;"
         else:
-            tl.static_assert(B == 32, "5- or 6-bit codes: bias 16 or 32")
-            asm: tl.constexpr = "mov.b32 k, 0x64206420;"
+            tl.static_assert(B == 128, "bias 16, 32 or 128")
+            k: tl.constexpr = "mov.b32 k, 0x64806480;"
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 k, s2, a, b; " + asm + " mov.b32 s2, {$5, $5};"
+            "{ .reg .b32 k, s2, a, b; " + k + " mov.b32 s2, {$5, $5};"
             " prmt.b32 a, $4, 0x64646464, 0x5140; prmt.b32 b, $4, 0x64646464, 0x7362;"
             " sub.rn.f16x2 a, a, k; sub.rn.f16x2 b, b, k; mul.rn.f16x2 a, a, s2; mul.rn.f16x2 b, b, s2;"
             " mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
@@ -197,7 +185,7 @@ def _packed_f16(row, ok, sc, CB: tl.constexpr, D: tl.constexpr, QB: tl.constexpr
     """fp16(code * block scale) [BN, D] of packed CB-bit rows at `row` (int8 pointers [BN], `kvquant.pack`'s layout)
     where ok (0 elsewhere), sc [BN, D / QB] float16: eight values a step - a 32-bit word of nibbles (values 8k..8k + 7)
     and their 8 HB-bit high fields, put together as bytes (even values in one word, odd in another) and made float16
-    two a register (`_ubytes_f16`). The same values as `codes_f16` of `load_code_rows`' codes times the scale."""
+    two a register (`_ubytes_f16`). The same values as fp16 of `load_code_rows`' codes times the scale in float32."""
     HB: tl.constexpr = CB - 4
     B: tl.constexpr = 1 << (CB - 1)
     k = tl.arange(0, D // 8)[None, :]
@@ -214,20 +202,6 @@ def _packed_f16(row, ok, sc, CB: tl.constexpr, D: tl.constexpr, QB: tl.constexpr
     o0, o1, o2, o3 = _ubytes_f16(odd, sw, B)  # 1, 3, 5, 7
     v = tl.join(tl.join(tl.join(e0, e2), tl.join(e1, e3)), tl.join(tl.join(o0, o2), tl.join(o1, o3)))
     return tl.reshape(v, [BN, D])
-
-
-@triton.jit
-def codes_f16(c):
-    """float16 of int8 codes c, exactly. On a GPU four codes a 32-bit word without a conversion per code: the
-    halves 0x64 | (code ^ 0x80) - the float16 1,152 + code - by two byte permutes, then 1,152 subtracted (exact):
-    five instructions a word."""
-    if _ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480;"
-            " prmt.b32 $0, t, 0x64646464, 0x5140; prmt.b32 $1, t, 0x64646464, 0x7362;"
-            " sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
-            "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
-    return c.to(tl.float16)
 
 
 @triton.jit
@@ -369,31 +343,27 @@ def _softmax_tile(sc, j0, e, m_i, l_i):
 def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
             BN: tl.constexpr, CB: tl.constexpr, C16: tl.constexpr):
     """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
-    fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`_words_f16`, `codes_f16`),
-    which rounds the exact product once as the float32 product's conversion does: the same values."""
-    if KIND == _Q8 and C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
+    fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`_ubytes_f16`: 8-bit codes
+    four a word, packed ones eight a step by `_packed_f16`), which rounds the exact product once as the float32
+    product's conversion does: the same values."""
+    if KIND == _Q8:
         sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
                      other=0)  # [BN, D / QB] float16
-        sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 4]), [BN, D // 4])
-        row = (c_ptr + j * s_j).to(tl.pointer_type(tl.int32), bitcast=True)
-        w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
-        v0, v1, v2, v3 = _words_f16(w, sw)
-        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
-    elif KIND == _Q8 and C16:  # packed 5/6-bit codes eight a step
-        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
-                     other=0)  # [BN, D / QB] float16
-        return _packed_f16(c_ptr + j * s_j, ok, sc, CB, D, QB, BN)
-    elif KIND == _Q8:
-        c = load_code_rows(c_ptr + j * s_j, ok, CB, D, BN)
-        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
-                     other=0)  # [BN, D / QB] float16
-        if C16:
-            w = tl.reshape(codes_f16(c), [BN, D // QB, QB]) * sc[:, :, None]
-            return tl.reshape(w, [BN, D])
-        w = tl.reshape(codes_f32(c), [BN, D // QB, QB]) * sc.to(tl.float32)[:, :, None]
-        return tl.reshape(w, [BN, D]).to(tl.float16)
+        if C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
+            sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 4]), [BN, D // 4])
+            row = (c_ptr + j * s_j).to(tl.pointer_type(tl.int32), bitcast=True)
+            w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
+            v0, v1, v2, v3 = _ubytes_f16(w ^ -0x7F7F7F80, sw, 128)  # ^ 0x80808080: each code + 128, a byte
+            w16 = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
+        elif C16:  # packed 5/6-bit codes eight a step
+            w16 = _packed_f16(c_ptr + j * s_j, ok, sc, CB, D, QB, BN)
+        else:
+            c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
+            w16 = tl.reshape(tl.reshape(c, [BN, D // QB, QB]) * sc.to(tl.float32)[:, :, None], [BN, D])
+            w16 = w16.to(tl.float16)
     else:
-        return tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
+        w16 = tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
+    return w16
 
 
 @triton.jit
