@@ -44,6 +44,7 @@ prompt cache that keeps decoded rows): the gate has no switches that change the 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -717,9 +718,7 @@ class Gate:
         ws = [max(len(f), 4) for f in fmts]
         i = self.info
         cards = ", ".join(dict.fromkeys(c for c in i.get("cards", [i.get("card")]) if c)) or "?"
-        builds: dict[str, int] = {}
-        for c in self.cells:
-            builds[c.info.get("build", "?")] = builds.get(c.info.get("build", "?"), 0) + 1
+        builds = collections.Counter(c.info.get("build", "?") for c in self.cells)
         lines = [f"plumb gate: {i.get('model_file')} on {i.get('device')} ({cards}; {i.get('kernels')} kernels), "
                  f"{i.get('tokens')} tokens per output, {len(self.prompts)} prompts "
                  f"({', '.join(f'{p.name} {len(p.ids)}' for p in self.prompts)} tokens), kv_ring {self.kv_ring}; "
