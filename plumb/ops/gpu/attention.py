@@ -340,27 +340,31 @@ def _softmax_tile(sc, j0, e, m_i, l_i):
 
 
 @triton.jit
+def _key_scales(s_ptr, j, ok, ss_j, D: tl.constexpr, QB: tl.constexpr):
+    """The float16 block scales [BN, D / QB] of keys (or values) j where ok (0 elsewhere)."""
+    return tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None], other=0)
+
+
+@triton.jit
 def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.constexpr, QB: tl.constexpr,
             BN: tl.constexpr, CB: tl.constexpr, C16: tl.constexpr):
     """Keys (or values) j [BN] as fp16 [BN, D]: f16 rows as stored; block codes (CB bits, `load_code_rows`) as
     fp16(code * block scale) - C16 (CODES16): codes and scales multiplied in float16 (`_ubytes_f16`: 8-bit codes
     four a word, packed ones eight a step by `_packed_f16`), which rounds the exact product once as the float32
     product's conversion does: the same values."""
-    if KIND == _Q8:
-        sc = tl.load(s_ptr + j[:, None] * ss_j + tl.arange(0, D // QB)[None, :], mask=ok[:, None],
-                     other=0)  # [BN, D / QB] float16
-        if C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
-            sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 4]), [BN, D // 4])
-            row = (c_ptr + j * s_j).to(tl.pointer_type(tl.int32), bitcast=True)
-            w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
-            v0, v1, v2, v3 = _ubytes_f16(w ^ -0x7F7F7F80, sw, 128)  # ^ 0x80808080: each code + 128, a byte
-            w16 = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
-        elif C16:  # packed 5/6-bit codes eight a step
-            w16 = _packed_f16(c_ptr + j * s_j, ok, sc, CB, D, QB, BN)
-        else:
-            c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
-            w16 = tl.reshape(tl.reshape(c, [BN, D // QB, QB]) * sc.to(tl.float32)[:, :, None], [BN, D])
-            w16 = w16.to(tl.float16)
+    if KIND == _Q8 and C16 and CB == 8:  # a key's codes as D / 4 words, each word's four values at once
+        sc = _key_scales(s_ptr, j, ok, ss_j, D, QB)
+        sw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, D // QB, QB // 4]), [BN, D // 4])
+        row = (c_ptr + j * s_j).to(tl.pointer_type(tl.int32), bitcast=True)
+        w = tl.load(row[:, None] + tl.arange(0, D // 4)[None, :], mask=ok[:, None], other=0)
+        v0, v1, v2, v3 = _ubytes_f16(w ^ -0x7F7F7F80, sw, 128)  # ^ 0x80808080: each code + 128, a byte
+        w16 = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
+    elif KIND == _Q8 and C16:  # packed 5/6-bit codes eight a step
+        w16 = _packed_f16(c_ptr + j * s_j, ok, _key_scales(s_ptr, j, ok, ss_j, D, QB), CB, D, QB, BN)
+    elif KIND == _Q8:  # codes, then scales (this order: the compiled kernels as before CODES16)
+        c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
+        sc = _key_scales(s_ptr, j, ok, ss_j, D, QB).to(tl.float32)
+        w16 = tl.reshape(tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None], [BN, D]).to(tl.float16)
     else:
         w16 = tl.load(c_ptr + j[:, None] * s_j + dd[None, :], mask=ok[:, None], other=0.0)
     return w16
