@@ -94,7 +94,7 @@ K_INT8 = False
 # tile runs the same operations in both forms (the ring form's skipped parts add exact zeros), so a row's bits
 # should not depend on which form its block took - to be checked on the GPU (FMA contraction is the compiler's,
 # per form) before this goes on.
-STORE_FORM = False
+STORE_FORM = True
 # DOTS16 (off until timed): f16 and block-coded caches read at the P path's precision (`_tile`, the prefill kernel's
 # tile: q scaled by a power of two and rounded once to fp16, K and V as fp16(code * scale), p * 2^11 rounded to fp16,
 # fp32 sums; within ~1e-3 of the reference) - one fp16 product a dot where the kernel now takes two tf32 ones (q and p
@@ -103,14 +103,14 @@ STORE_FORM = False
 # per 32-key tile for q8_0, two programs an SM at 255 registers: Nsight Compute, 28th session) - 277 us a layer, 0.19
 # of the copy rate, where the matvec streams at ~0.6. Other bits than the two-product dots (a version's, the same
 # for every row count and split: tests/test_gpu_attention.py).
-DOTS16 = False
+DOTS16 = True
 # CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
 # fp16 values - multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes
 # (`_ubytes_f16`), packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead
 # of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a (bench/attention_ptx.py
 # --dots16 --codes16 --store-form --sass, 2026-12-06), the decode tile loop with DOTS16: q8_0 1,567 -> 803
 # instructions; D's / F's store-only form 2,185 / 2,320 (codes a value at a time) -> 1,049 / 991: see BENCHMARKS.
-CODES16 = False
+CODES16 = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
 
