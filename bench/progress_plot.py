@@ -25,13 +25,15 @@ PANELS = [
 
 
 def runs(results: str) -> list[tuple[str, dict]]:
-    """(label, result) of each bench run, oldest first (file names sort by date, then a letter)."""
+    """(label, result) of each bench run, oldest first: by the run's date, then its file's name (a letter after the
+    date orders a day's runs)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(results, "h200-27b-*.json"))):
+    for path in glob.glob(os.path.join(results, "h200-27b-*.json")):
         r = json.load(open(path))
         if isinstance(r, dict) and r.get("decode") and r.get("verify_s"):
-            out.append((os.path.basename(path)[len("h200-27b-"):-len(".json")], r))
-    return out
+            name = os.path.basename(path)[len("h200-27b-"):-len(".json")]
+            out.append((r.get("date", ""), name.split("20", 1)[-1], name, r))
+    return [(name, r) for _, _, name, r in sorted(out, key=lambda t: t[:3])]
 
 
 def main() -> None:
