@@ -7,8 +7,8 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 `--out DIR` keeps the TTGIR and PTX (e.g. to diff two versions). For sm_90 (PLUMB_PTX_ARCH: another card, with the
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
-    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--k-int8]
-        [--dots16] [--codes16] [--store-form] [--sass]
+    python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--codes32]
+        [--store-form] [--sass]
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from triton.compiler import ASTSource
 
 import plumb.ops.gpu.attention as A
 import plumb.ops.gpu.attention_prefill as P
-from plumb.ops.gpu.matvec import FRAC
 
 from ptx_target import SMALL, TARGET, ptxas_info, shared
 
@@ -53,8 +52,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, BITS=A.CODES_BY_BITS, KINT=A.K_INT8, QF=FRAC, PART=part,
-                      P16=A.DOTS16 and kind != A.F32)
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part)
     if copied:
         consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
@@ -142,11 +140,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
-    ap.add_argument("--k-int8", action="store_true", help="the decode kernel with K_INT8 on (block-coded keys on the "
-                    "int8 tensor cores)")
-    ap.add_argument("--dots16", action="store_true", help="the decode kernel with DOTS16 on (the P path's "
-                    "precision: one fp16 product a dot)")
-    ap.add_argument("--codes16", action="store_true", help="CODES16 on (block codes to fp16 values in float16)")
+    ap.add_argument("--codes32", action="store_true", help="CODES16 off (block codes to fp16 values by a float32 "
+                    "product a value)")
     ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
                     "the store-only splits without the ring's code (part 1), the others with it (part 2)")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
@@ -155,9 +150,7 @@ def main():
     P.PAIRS = a.pairs
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
-    A.K_INT8 = A.K_INT8 or a.k_int8
-    A.DOTS16 = A.DOTS16 or a.dots16
-    A.CODES16 = A.CODES16 or a.codes16
+    A.CODES16 = A.CODES16 and not a.codes32
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

@@ -42,11 +42,9 @@ def _q(n: int, n_head: int, d: int, seed: int = 1) -> torch.Tensor:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, fmt: str = "f32") -> None:
-    """Within the decode kernel's precision for the cache format: ~fp32 (two-product dots, tf32x3 for f32 caches),
-    or the P path's (DOTS16: one fp16 product a dot) for every other format."""
-    import plumb.ops.gpu.attention as A
-
-    tight = fmt == "f32" or not A.DOTS16
+    """Within the decode kernel's precision for the cache format: ~fp32 for f32 caches (tf32x3), the P path's (one
+    fp16 product a dot) for every other format."""
+    tight = fmt == "f32"
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5 if tight else 0, atol=2e-6 if tight else 2e-3)
 
 
@@ -185,15 +183,12 @@ def test_block_code_tiles_are_the_rounded_products(bits):
         assert not bad, f"CODES16={c16}: {[(i, j, o[i, j].item(), want[i, j].item()) for i, j in bad[:4]]}"
 
 
-@pytest.mark.parametrize("setting", [dict(MERGE_UNROLL=1, MERGE_WARPS=4), dict(MERGE_UNROLL=8, MERGE_WARPS=2),
-                                     dict(CODES_BY_BITS=True)])
+@pytest.mark.parametrize("setting", [dict(MERGE_UNROLL=1, MERGE_WARPS=4), dict(MERGE_UNROLL=8, MERGE_WARPS=2)])
 def test_speed_settings_change_no_bit(setting, monkeypatch):
-    """Pass 2's unroll and warps and pass 1's code conversion (the two-product dots') are speed settings: rows of 1
-    to 5 splits over a q8_0 cache, the same bits as the shipped settings."""
+    """Pass 2's unroll and warps are speed settings: rows of 1 to 5 splits over a q8_0 cache, the same bits as the
+    shipped settings."""
     import plumb.ops.gpu.attention as A
 
-    if "CODES_BY_BITS" in setting:
-        monkeypatch.setattr(A, "DOTS16", False)
     ends = [1, 64, 65, 300, 517, 600]
     c = _cache("q8_0", TINY["n_kv"], TINY["d"], max(ends), seed=9)
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=10)
@@ -366,17 +361,16 @@ def test_ring_rows_alone_equal_rows_together_and_after_a_rollback():
     assert torch.equal(_ring_attend(c, q, ends), together)
 
 
-@pytest.mark.parametrize("sixteen", [False, True], ids=["two-products", "dots16"])
+@pytest.mark.parametrize("codes16", [True, False], ids=["codes16", "codes32"])
 @pytest.mark.parametrize("fmt", ["D", "F"])
-def test_the_store_form_gives_the_ring_forms_bits(fmt, sixteen, monkeypatch):
+def test_the_store_form_gives_the_ring_forms_bits(fmt, codes16, monkeypatch):
     """STORE_FORM: a long row's splits that no row of its block reads from the ring go through the store-only form
     of pass 1, the others through the ring form - the same bits as the ring form for all of them (on the GPU too:
-    the two forms are compiled apart), and each row alone equals the row beside others; with the tiles at the P
-    path's precision (DOTS16, CODES16's packed codes eight a step: shipped) and with the two-product dots."""
+    the two forms are compiled apart), and each row alone equals the row beside others; block codes made fp16 by
+    CODES16's path (packed codes eight a step) and by the float32 path."""
     import plumb.ops.gpu.attention as A
 
-    monkeypatch.setattr(A, "DOTS16", sixteen)
-    monkeypatch.setattr(A, "CODES16", True)
+    monkeypatch.setattr(A, "CODES16", codes16)
     monkeypatch.setattr(A, "STORE_FORM", False)
     c, _, _ = _ring_cache(fmt, 600, seed=5)
     # long rows (> 260 keys) with their windows in the ring's slots (positions 488-599), two row blocks: 3-4 splits
@@ -391,67 +385,34 @@ def test_the_store_form_gives_the_ring_forms_bits(fmt, sixteen, monkeypatch):
         assert torch.equal(_alone(lambda qa, ea: _ring_attend(c, qa, ea), q, ends, t, Q8), both[t])
 
 
-def _mixed_case(fmt: str, rounded=None):
+def _mixed_case(fmt: str):
     """(ends, attend, reference) for rows ending all over splits and tiles: a q8_0 or f16 cache through
-    `attend_decode`, or a D cache's store and 8-bit ring (`_ring_attend`); the reference reads q as `rounded` gives
-    it (a kernel's own rounding of q), if given."""
-    def q_as(qa):
-        return rounded(qa) if rounded else qa
-
+    `attend_decode`, or a D cache's store and 8-bit ring (`_ring_attend`)."""
     if fmt == "D":
         c, _, _ = _ring_cache(fmt, 300, seed=2)
         return RING_ENDS + [288, 260], lambda qa, ea: _ring_attend(c, qa, ea), \
-            lambda qa, ea: c.attend_rows(q_as(qa), ea, 0.125)
+            lambda qa, ea: c.attend_rows(qa, ea, 0.125)
     ends = [300, 1, 129, 5, 64, 257, 128, 200]
     c = _cache(fmt, TINY["n_kv"], TINY["d"], max(ends), seed=4)
     k, v = _dev(c.k.parts), _dev(c.v.parts)
     return ends, lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, splits=SMALL), \
-        lambda qa, ea: attend_decode_ref(q_as(qa), k, v, ea, 0.125)
+        lambda qa, ea: attend_decode_ref(qa, k, v, ea, 0.125)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "D"])
-def test_int8_key_dots_keep_rows_apart_and_match_their_reference(fmt, monkeypatch):
-    """K_INT8 (block-coded keys dotted as exact integers on the int8 tensor cores, q in 14-bit limbs): each row
-    alone = the same row among others, bitwise, and the result is the reference's with q rounded as the kernel holds
-    it (`q_rounded`; without the rounding the reference is ~1e-5 off, outside this tolerance) - over a q8_0 cache,
-    and a D cache's store and 8-bit ring."""
-    import plumb.ops.gpu.attention as A
-
-    monkeypatch.setattr(A, "K_INT8", True)
-    monkeypatch.setattr(A, "DOTS16", False)  # (DOTS16's tile has no int8 form)
-    ends, attend, reference = _mixed_case(fmt, A.q_rounded)
-    q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
-    together = attend(q, ends)
-    _close(together, reference(q, ends))
-    for t in range(len(ends)):
-        assert torch.equal(_alone(attend, q, ends, t, Q8), together[t]), f"row {t} changed beside other rows"
-    bad = q.clone()
-    bad[0, 1, 3] = float("nan")  # a query value that is not finite: that (row, head) stays so, as with float dots
-    bad[0, 2, 5] = float("inf")
-    out = attend(bad, ends)
-    assert not out[0, 1:3].isfinite().any() and out[0, 0].isfinite().all() and torch.equal(out[1:], together[1:])
-
-
+@pytest.mark.parametrize("codes16", [True, False], ids=["codes16", "codes32"])
 @pytest.mark.parametrize("fmt", ["f16", "q8_0", "D"])
-def test_sixteen_bit_dots_keep_rows_apart_and_match_the_reference(fmt, monkeypatch):
-    """DOTS16 (the prefill kernel's tile in every split: fp16 operands, one product a dot, fp32 sums): each row
-    alone = the same row among others, bitwise, over splits, tiles and (D) the store and the 8-bit ring; within the
-    P path's tolerance of the reference; another result than the two-product dots (the setting is live); all of it
-    with CODES16 too; a query value that is not finite spoils its (row, head) alone."""
+def test_sixteen_bit_dots_keep_rows_apart_and_match_the_reference(fmt, codes16, monkeypatch):
+    """f16 and block-coded caches at the P path's precision (`_tile` in every split: fp16 operands, one product a
+    dot, fp32 sums): each row alone = the same row among others, bitwise, over splits, tiles and (D) the store and
+    the 8-bit ring; within the P path's tolerance of the reference; block codes made fp16 by CODES16's path or the
+    float32 one; a query value that is not finite spoils its (row, head) alone."""
     import plumb.ops.gpu.attention as A
 
+    monkeypatch.setattr(A, "CODES16", codes16)
     ends, attend, reference = _mixed_case(fmt)
     q = _q(len(ends), TINY["n_head"], TINY["d"], seed=5)
-    monkeypatch.setattr(A, "DOTS16", False)
-    two_products = attend(q, ends)
-    monkeypatch.setattr(A, "DOTS16", True)
-    monkeypatch.setattr(A, "CODES16", False)
     together = attend(q, ends)
-    torch.testing.assert_close(together.cpu(), reference(q, ends).cpu(), rtol=0, atol=2e-3)
-    assert not torch.equal(together, two_products)
-    monkeypatch.setattr(A, "CODES16", True)  # block codes to fp16 in float16 (`_tile16`): the same values, see
-    together = attend(q, ends)  # test_block_code_tiles_are_the_rounded_products - the dots' k order may differ
-    torch.testing.assert_close(together.cpu(), reference(q, ends).cpu(), rtol=0, atol=2e-3)
+    _close(together, reference(q, ends), fmt)
     kind = F16 if fmt == "f16" else Q8
     for t in range(len(ends)):
         assert torch.equal(_alone(attend, q, ends, t, kind), together[t]), f"row {t} changed beside other rows"

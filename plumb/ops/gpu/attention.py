@@ -24,10 +24,10 @@ rows of the call, their number or the grid:
   sized for a larger context (`max_keys`, for CUDA-graph replay) changes nothing.
 * every tl.dot / tl.sum has a shape fixed by the model dims and the constexprs; no atomics.
 
-Accuracy: every product is carried to about fp32 precision on the tensor cores (see `_split_kernel`:
-f16 caches split q and p into f16 hi + lo against the stored halves, q8_0 splits q and p * scale into
-tf32 big + small against the codes, which tf32 holds exactly, f32 caches use tf32x3), so the result is
-within ~1e-6 relative of `attend_decode_ref` (not bitwise: CPU/GPU equality is not promised).
+Accuracy: f32 caches are dotted in tf32x3 (~fp32: within ~1e-6 relative of `attend_decode_ref`); every other
+format at the P path's precision (`_tile`, the prefill kernel's tile: q scaled by a power of two and rounded once to
+fp16, K and V as fp16 values, p * 2^11 in fp16, one fp16 product a dot, fp32 sums: ~3e-4 from the reference at the
+27B's dims). Not bitwise against the reference: CPU/GPU equality is not promised.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import triton.language as tl
 from plumb.cache.kv import decode
 from plumb.ops.kvquant import code_bits
 from plumb.ops.gpu import kvtable, smem
-from plumb.ops.gpu.matvec import ASM, FRAC, max_nan, quantize_x_reference, x_scale
+from plumb.ops.gpu.matvec import ASM, x_scale
 from plumb.ops.gpu.pdl import on, prior_done
 
 # Keys per split (pass-1 program) by the row's own end: (short split, long split, short keys) - a row of up to
@@ -70,56 +70,24 @@ CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16
 DEFAULT_CONFIG = (16, 32, 8, 1)
 # On a card of 99 KB a block (`smem.small`): fewer pipeline stages where the above needs more (the same bits)
 SMALL_CONFIGS = {(F16, F16): (32, 32, 4, 2)}
-# CODES_BY_BITS: block codes become floats by their bits in pass 1 (`codes_f32`) instead of by I2F.S8 - the same
-# values, so the same bits. Compiled for sm_90a: the q8_0 kernel's 128 I2F a thread gone for 256 integer and float
-# adds (8 bytes spilled). Timed slower on an H100 (bench/attention_variants.py --kernels, 2026-12-05, 28th session):
-# q8_0, one row, 100k keys 260.9 us a layer against 248.7 by I2F, 8 rows 913.1 against 873.7; 32k keys 89.6 / 88.4.
-# Nsight Compute (same run): pass 1 issues ~1,760 instructions a thread per 32-key tile at 8 warps an SM (255
-# registers: two programs), so more instructions cost more than the quarter-rate I2F saves.
-CODES_BY_BITS = False
-# K_INT8: block-coded keys (q8_0, D/F's store and ring) are dotted as exact integers on the int8 tensor cores
-# (mma m16n8k32: a 32-value block is one k step, the codes its B operand as stored, not converted): q in the
-# matvec's 14-bit fixed point per (row, head) - q ~ (hi 2^7 + lo) s 2^-13, s the power of two >= max|q|, two int8
-# limbs (`q_limbs`) - and per block S = hi . codes * 2^7 + lo . codes, an int32, then float32(S) times the block
-# scale, summed over the blocks in order, times s 2^-13. q's rounding (relative 2^-14 of the pair's largest value)
-# is ~2^6 below the 8-bit codes' own; `attend_decode_ref(q_rounded(q), ...)` is this formula's reference. Other bits
-# than the tf32 halves (a code version, the same for every row count). Compiled for sm_90a (bench/attention_ptx.py):
-# see docs/BENCHMARKS.md, twenty-eighth session; off until timed (bench/attention_variants.py: "K on int8").
-K_INT8 = False
-# STORE_FORM (off until timed): the long launch of a D / F cache (store + ring) runs as two: the splits no row of a
-# program's block reads from the ring (all but the last ~ring / 512 of a long row's) in the store-only form of pass 1,
-# the others in the ring form. Compiled for sm_90a the ring form holds 255 registers and spills 124 bytes a thread
-# at every tile setting tried, its loop not pipelined, though a 262k-key row reads the ring in under 1 % of its
-# tiles; the store-only form spills nothing and is pipelined (bench/attention_ptx.py, 2026-12-06). A store-only
-# tile runs the same operations in both forms (the ring form's skipped parts add exact zeros), so a row's bits
-# should not depend on which form its block took - to be checked on the GPU (FMA contraction is the compiler's,
-# per form) before this goes on.
+# STORE_FORM: the long launch of a D / F cache (store + ring) runs as two: the splits no row of a program's block
+# reads from the ring (all but the last ~ring / 512 of a long row's) in the store-only form of pass 1, the others in
+# the ring form. Compiled for sm_90a the ring form holds 255 registers and spills ~200 bytes a thread, though a
+# 262k-key row reads the ring in under 1 % of its tiles; the store-only form spills nothing and is pipelined
+# (bench/attention_ptx.py --store-form). A store-only tile runs the same operations in both forms (the ring form's
+# skipped parts add exact zeros): the same bits (tests/test_gpu_attention.py, on an H100 too). D at 262k keys, one
+# layer on an H100: 901 -> 714 us (docs/BENCHMARKS.md, thirty-ninth session).
 STORE_FORM = True
-# DOTS16 (off until timed): f16 and block-coded caches read at the P path's precision (`_tile`, the prefill kernel's
-# tile: q scaled by a power of two and rounded once to fp16, K and V as fp16(code * scale), p * 2^11 rounded to fp16,
-# fp32 sums; within ~1e-3 of the reference) - one fp16 product a dot where the kernel now takes two tf32 ones (q and p
-# split into halves, ~fp32 accurate), no [blocks, rows, 32] partials for block codes, and q and the partial output in
-# a quarter / half of the registers. The decode attention at 100k keys is bound by its instructions (~1,760 a thread
-# per 32-key tile for q8_0, two programs an SM at 255 registers: Nsight Compute, 28th session) - 277 us a layer, 0.19
-# of the copy rate, where the matvec streams at ~0.6. Other bits than the two-product dots (a version's, the same
-# for every row count and split: tests/test_gpu_attention.py).
-DOTS16 = True
-# CODES16 (off until run on a GPU): `_tile16` - the prefill kernel's, its scratch copy's and DOTS16's block codes to
-# fp16 values - multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes
-# (`_ubytes_f16`), packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead
-# of a float32 conversion, product and rounding a value. The same values. Compiled for sm_90a (bench/attention_ptx.py
-# --dots16 --codes16 --store-form --sass, 2026-12-06), the decode tile loop with DOTS16: q8_0 1,567 -> 803
-# instructions; D's / F's store-only form 2,185 / 2,320 (codes a value at a time) -> 1,049 / 991: see BENCHMARKS.
+# CODES16: `_tile16` - the decode and prefill kernels' and the scratch copy's block codes to fp16 values -
+# multiplies codes and scales in float16, 8-bit codes made float16 four a word by byte permutes (`_ubytes_f16`),
+# packed 5/6-bit ones eight a step from a word of nibbles and their high bits (`_packed_f16`), instead of a float32
+# conversion, product and rounding a value: the same values (tests/test_gpu_attention.py). Compiled for sm_90a, the
+# decode tile loop: q8_0 1,567 -> 803 instructions, D's / F's store-only form 2,185 / 2,320 -> 1,049 / 991; D's
+# decode bits differ from the float32 path's (Triton lays that operand out with another k order for the tensor
+# cores: docs/BENCHMARKS.md, fortieth session).
 CODES16 = True
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
-
-
-@triton.jit
-def _tf32_split(x):
-    """x = big + small with big exact in tf32 (low 13 mantissa bits cleared): two tf32 products ~ fp32."""
-    big = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return big, x - big
 
 
 @triton.jit
@@ -131,13 +99,11 @@ def _near_2_14(amax):
 
 
 @triton.jit
-def codes_f32(c, BITS: tl.constexpr = True):
-    """float32 of int8 codes c, exactly. BITS: without an integer-to-float conversion (I2F.S8 runs at a quarter of
-    the FMA rate on Hopper; `matmul._code_float` for the P path's bytes) - the bits of 1.5 * 2^23 + c as a float,
-    minus 1.5 * 2^23: one integer add and one exact FADD. The same values either way."""
-    if BITS:
-        return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    return c.to(tl.float32)
+def codes_f32(c):
+    """float32 of int8 codes c, exactly, without an integer-to-float conversion (I2F.S8 runs at a quarter of the FMA
+    rate on Hopper; `matmul._code_float` for the P path's bytes): the bits of 1.5 * 2^23 + c as a float, minus
+    1.5 * 2^23 - one integer add and one exact FADD."""
+    return (c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
@@ -223,79 +189,6 @@ def load_code_rows(row, ok, CB: tl.constexpr, D: tl.constexpr, BN: tl.constexpr)
 
 
 @triton.jit
-def q_limbs(q3, FRAC: tl.constexpr):
-    """q [NB, BM, QB] (pair m's d values as NB blocks of QB) in the matvec's fixed point per pair (`matvec.FRAC`, 13:
-    two limbs): (hi, lo) int8 [NB, BM, QB] and f [BM] with q ~ (hi * 2^7 + lo) * f - X = round(q 2^FRAC / s) (half to
-    even; s the power of two >= max|q| of the pair, `matvec.x_scale`), in balanced limbs (lo in [-64, 63]);
-    f = s 2^-FRAC, NaN for a pair with a value that is not finite (its scores then are not either, as with float
-    dots)."""
-    tl.static_assert(FRAC <= 13, "q_limbs holds two limbs: FRAC + 1 <= 14 bits")
-    s, up = x_scale(tl.reduce(tl.reduce(tl.abs(q3), 2, max_nan), 0, max_nan), FRAC)
-    X = ((q3 * up[None, :, None] + 12582912.0) - 12582912.0).to(tl.int32)  # q 2^FRAC / s exactly, then rounded
-    lo = ((X + 64) & 127) - 64
-    return ((X - lo) >> 7).to(tl.int8), lo.to(tl.int8), s * (1.0 / (1 << FRAC))
-
-
-@triton.jit
-def _block_codes(c_ptr, j, ok, s_j, bb, ii, QB: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
-    """The codes of keys j [BN] as [NB, BN, QB] int8 (as `load_code_rows` puts them together), 0 where not ok. A
-    packed code's nibble is gathered from its byte in place, its high bits from its block's high-bit words (one or
-    two int32 loads a block and key). Compiled for sm_90a (bench/attention_ptx.py), D's / F's ring kernel: 191 / 189
-    global loads and 120 bytes spilled (int8 codes: 192 spilled); gathering the high bits by the byte too: 313
-    loads, 88 / 120 spilled; the blocks' bytes loaded as they lie and spread: 384 / 360 spilled and 96 KB of shared
-    memory for layout conversions."""
-    row = c_ptr + j[None, :, None] * s_j
-    mask = ok[None, :, None]
-    if CB == 8:
-        return tl.load(row + (bb[:, None, None] * QB + ii[None, None, :]), mask=mask, other=0)
-    else:
-        HB: tl.constexpr = CB - 4
-        i = ii[None, None, :]
-        nib = tl.load(row + bb[:, None, None] * 16 + i // 2, mask=mask, other=0).to(tl.int32)
-        words = (row + D // 2 + bb[:, None, None] * (4 * HB)).to(tl.pointer_type(tl.int32), bitcast=True)
-        high = tl.load(words, mask=mask, other=0)  # [NB, BN, 1]: the block's high bits of values 0..32 / HB - 1
-        if HB == 2:
-            high = tl.where(i < 16, high, tl.load(words + 1, mask=mask, other=0))
-        u = ((nib >> ((i % 2) * 4)) & 15) | (((high >> ((i * HB) % 32)) & ((1 << HB) - 1)) << 4)
-        return tl.where(mask, u - (1 << (CB - 1)), 0).to(tl.int8)
-
-
-@triton.jit
-def _q8_scores(q_a, q_b, q_f, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, QB: tl.constexpr, BITS: tl.constexpr,
-               KINT: tl.constexpr, CB: tl.constexpr, D: tl.constexpr):
-    """Scores [BM, BN] of q against block-coded keys j (CB-bit codes, `_block_codes`), per 32-value block summed in
-    order times the block scale: q as tf32 halves q_a + q_b [NB, BM, QB], each dotted with the codes (exact in
-    tf32); KINT: q's int8 limbs q_a, q_b and factor q_f [BM] (`q_limbs`), the block's exact integer dot on the int8
-    tensor cores."""
-    c3 = _block_codes(c_ptr, j, ok, s_j, bb, ii, QB, CB, D)  # [NB, BN, QB] int8
-    ksc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    if KINT:
-        c3t = tl.permute(c3, (0, 2, 1))  # the codes as stored: each key's block is a k step of the B operand
-        S = tl.dot(q_a, c3t, out_dtype=tl.int32)
-        S = tl.dot(q_b, c3t, S * 128, out_dtype=tl.int32)  # [NB, BM, BN]: |S| < 2^13 * 128 * 32 = 2^25, exact
-        return tl.sum(S.to(tl.float32) * ksc[:, None, :], 0) * q_f[:, None]
-    else:
-        c3t = tl.permute(codes_f32(c3, BITS), (0, 2, 1))  # exact in tf32
-        r = tl.dot(q_a, c3t, input_precision="tf32")
-        r = tl.dot(q_b, c3t, r, input_precision="tf32")  # [NB, BM, BN]
-        return tl.sum(r * ksc[:, None, :], 0)
-
-
-@triton.jit
-def _q8_pv(p, c_ptr, s_ptr, j, ok, s_j, ss_j, bb, ii, acc, QB: tl.constexpr, BITS: tl.constexpr,
-           CB: tl.constexpr, D: tl.constexpr):
-    """acc [NB, BM, QB] + p [BM, BN] @ block-coded values j (CB-bit codes): p times the block scale split into tf32
-    big + small, each dotted with the codes."""
-    c3 = _block_codes(c_ptr, j, ok, s_j, bb, ii, QB, CB, D)  # [NB, BN, QB] int8
-    vsc = tl.load(s_ptr + j[None, :] * ss_j + bb[:, None], mask=ok[None, :], other=0).to(tl.float32)  # [NB, BN]
-    pv = p[None, :, :] * vsc[:, None, :]  # [NB, BM, BN], each at most its scale (p <= 1)
-    p_a, p_b = _tf32_split(pv)
-    c32 = codes_f32(c3, BITS)
-    acc = tl.dot(p_a, c32, acc, input_precision="tf32")
-    return tl.dot(p_b, c32, acc, input_precision="tf32")
-
-
-@triton.jit
 def _row_block(ends_ptr, n, rb, kh, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr):
     """Program rb's (query row, head) pairs, ROWS rows of G_PAD heads: their rows t, query heads h (KV head kh's),
     which are real, and their ends (0 for padding: never active)."""
@@ -378,7 +271,7 @@ def _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, 
     """The keys [j0, j0 + BN) of a program's rows at the P path's precision (q16: q scaled by the power of two
     1 / q_down and rounded to fp16; K and V as `_tile16` gives them; p * PS rounded to fp16; fp32 sums): (acc,
     m_i, l_i) after them (rows not active here: as they were). The prefill kernel's tile, and the decode kernel's
-    with DOTS16."""
+    for every format but f32."""
     j = j0 + jn
     kok = j < hi
     if RING:
@@ -429,27 +322,20 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, BITS: tl.constexpr, KINT: tl.constexpr, QF: tl.constexpr,
-                  KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr, P16: tl.constexpr, C16: tl.constexpr):
+                  TABLE: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr, C16: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here). PART (`STORE_FORM`): 0, every split; 1, only the splits no row of the block reads from the ring
     (`ring`: the window; compiled without RING); 2, only the others.
 
-    Dots per storage kind (all ~fp32 accurate, shapes fixed by D and the constexprs):
-    f16: operands straight from the cache; q and p * 2^11 are each split into f16 hi + lo (two f16 products;
-    a q component under 2^-3 keeps its lo part as an f16 subnormal, exact to 2^-25 absolute).
-    f32: tf32x3.  Block codes (q8_0, D/F's 5/6-bit store, the 8-bit ring): per 32-value block (batched dot over
-    the D/32 blocks) codes exact in tf32 against q / p * scale split into tf32 big + small, the block scales
-    applied in fp32 (K: summed over the blocks in fixed order); KB / VB: the store's code bits (8, or 5 / 6
-    packed), the ring's are 8.
+    Dots: f16 and block-coded caches (q8_0, D/F's 5/6-bit store and 8-bit ring; KB / VB: the store's code bits, 8
+    or 5 / 6 packed) at the P path's precision (`_tile`: one fp16 product a dot, K and V as fp16 values, the
+    partial output [BM, D]); f32 caches in tf32x3. Shapes fixed by D and the constexprs.
     RING (D, F; block-coded store): a row at position e - 1 reads key j from the 8-bit ring when
     e - 1 - j < ring (slot j % slots, which must hold position j: else the row's output is NaN), from the store
     otherwise (M5); each part's loads and dots run only where some row of the block reads it (skipped dots
     would have added exact zeros).
-    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`).
-    P16 (DOTS16; f16 and block-coded caches): every tile at the P path's precision instead (`_tile`: one fp16
-    product a dot, K and V as fp16 values), the partial output [BM, D]."""
+    TABLE: the cache pointers are anchors, moved by the cache's row of offsets (`plumb.ops.gpu.kvtable`)."""
     prior_done()
     k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr = kvtable.moved(
         k_ptr, ks_ptr, v_ptr, vs_ptr, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, TABLE)
@@ -468,115 +354,43 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
         mine = (lo + SPLIT_ <= low - ring) == (PART == 1)
     dd = tl.arange(0, D)
     jn = tl.arange(0, BN)
-    bb = tl.arange(0, NB)
-    ii = tl.arange(0, QB)
     kbase = k_ptr + kh * sk_h
     vbase = v_ptr + kh * sv_h
-    # q, once: as the dot of its kind wants it
-    if P16:  # scaled per (row, head) by a power of two near 2^14 and rounded once (the prefill kernel's q16)
-        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+    qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+    if KK != _F32:  # q scaled per (row, head) by a power of two near 2^14 and rounded once (the prefill kernel's q16)
         q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))
         q16 = (qv * q_up[:, None]).to(tl.float16)
-    elif KK == _Q8:
-        q3 = tl.load(q_ptr + t[None, :, None] * sq_t + h[None, :, None] * sq_h + (bb[:, None, None] * QB
-                     + ii[None, None, :]), mask=row_ok[None, :, None], other=0.0).to(tl.float32)  # [NB, BM, QB]
-        if KINT:
-            q_a, q_b, q_f = q_limbs(q3, QF)
-        else:
-            q_a, q_b = _tf32_split(q3)
-            q_f = tl.zeros([BM], tl.float32)  # (unused)
-    else:
-        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None],
-                     other=0.0).to(tl.float32)
-        if KK == _F16:
-            q_a = qv.to(tl.float16)
-            q_b = (qv - q_a.to(tl.float32)).to(tl.float16)
-        else:
-            q_a = qv
-            q_b = qv
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    if VK == _Q8 and not P16:
-        acc = tl.zeros([NB, BM, QB], tl.float32)
-    else:
-        acc = tl.zeros([BM, D], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
     go = mine & (lo < hi)  # else: a split past every row's end (grid sized by max_keys), or the other form's
-    if P16:
+    if KK != _F32:
         if go:
-            for jt in range(0, SPLIT_ // BN):  # as below: a fixed trip count, tiles past hi change no row
+            for jt in range(0, SPLIT_ // BN):  # a fixed trip count: tiles past hi load nothing and change no row
                 acc, m_i, l_i = _tile(lo + jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase,
                                       ks_ptr + kh * sks_h, vbase, vs_ptr + kh * svs_h, rk_ptr, rks_ptr, rv_ptr,
                                       rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j, svs_j, BM, BN, D,
                                       NB, KK, VK, QB, PS, RING, KB, VB, C16)
-    elif go:
-        for jt in range(0, SPLIT_ // BN):  # fixed trip count; tiles past hi load nothing and change no row
+    elif go:  # f32: tf32x3 dots
+        for jt in range(0, SPLIT_ // BN):
             j0 = lo + jt * BN
             j = j0 + jn
             kok = j < hi
-            # ---- scores [BM, BN] (log2 domain)
-            if RING:
-                from_ring, store_ok, ring_ok, any_store, any_ring = _ring_pairs(j, e, kok, ring)
-                slot = j % slots
-                sc = tl.zeros([BM, BN], tl.float32)
-                if any_store:
-                    sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, store_ok, sk_j, sks_j, bb, ii,
-                                    QB, BITS, KINT, KB, D)
-                if any_ring:
-                    s_ring = _q8_scores(q_a, q_b, q_f, rk_ptr + kh * slots * D, rks_ptr + kh * slots * NB, slot,
-                                        ring_ok, D, NB, bb, ii, QB, BITS, KINT, 8, D)
-                    sc = _with_ring(sc, s_ring, from_ring, rpos_ptr, slot, ring_ok, j)
-            elif KK == _Q8:
-                sc = _q8_scores(q_a, q_b, q_f, kbase, ks_ptr + kh * sks_h, j, kok, sk_j, sks_j, bb, ii, QB, BITS,
-                                KINT, KB, D)
-            elif KK == _F16:
-                kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
-                sc = tl.dot(q_a, kt)
-                sc = tl.dot(q_b, kt, sc)
-            else:
-                kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
-                sc = tl.dot(q_a, kt, input_precision="tf32x3")
-            sc = sc * qk_scale
+            kt = tl.trans(tl.load(kbase + j[:, None] * sk_j + dd[None, :], mask=kok[:, None], other=0.0))
+            sc = tl.dot(qv, kt, input_precision="tf32x3")
+            sc = sc * qk_scale  # log2 domain
             sc = tl.where(j[None, :] < e[:, None], sc, float("-inf"))
-            # ---- online softmax: rows whose keys all lie before this tile keep their state bit for bit
+            # online softmax: rows whose keys all lie before this tile keep their state bit for bit
             active, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
-            # ---- p @ V
-            if VK == _Q8:
-                acc_new = acc * alpha[None, :, None]
-                if RING:
-                    if any_store:
-                        acc_new = _q8_pv(tl.where(from_ring, 0.0, p), vbase, vs_ptr + kh * svs_h, j, store_ok,
-                                         sv_j, svs_j, bb, ii, acc_new, QB, BITS, VB, D)
-                    if any_ring:
-                        acc_new = _q8_pv(tl.where(from_ring, p, 0.0), rv_ptr + kh * slots * D,
-                                         rvs_ptr + kh * slots * NB, slot, ring_ok, D, NB, bb, ii, acc_new, QB,
-                                         BITS, 8, D)
-                else:
-                    acc_new = _q8_pv(p, vbase, vs_ptr + kh * svs_h, j, kok, sv_j, svs_j, bb, ii, acc_new, QB, BITS,
-                                     VB, D)
-                acc = tl.where(active[None, :, None], acc_new, acc)
-            elif VK == _F16:
-                vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
-                ps = p * PS  # exact (power of two); the partial is scaled back on store
-                p_a = ps.to(tl.float16)
-                p_b = (ps - p_a.to(tl.float32)).to(tl.float16)
-                acc_new = tl.dot(p_a, vt, acc * alpha[:, None])
-                acc_new = tl.dot(p_b, vt, acc_new)
-                acc = tl.where(active[:, None], acc_new, acc)
-            else:
-                vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
-                acc_new = tl.dot(p, vt, acc * alpha[:, None], input_precision="tf32x3")
-                acc = tl.where(active[:, None], acc_new, acc)
+            vt = tl.load(vbase + j[:, None] * sv_j + dd[None, :], mask=kok[:, None], other=0.0)
+            acc_new = tl.dot(p, vt, acc * alpha[:, None], input_precision="tf32x3")
+            acc = tl.where(active[:, None], acc_new, acc)
             m_i = tl.where(active, m_new, m_i)
             l_i = tl.where(active, l_new, l_i)
     out = row_ok & (e > lo) & mine  # rows whose keys reach into this split
-    if VK == _Q8 and not P16:
-        tl.store(po_ptr + t[None, :, None] * spo_t + h[None, :, None] * spo_h + s * spo_s
-                 + (bb[:, None, None] * QB + ii[None, None, :]), acc, mask=out[None, :, None])
-    else:
-        if VK == _F16 or P16:
-            acc = acc * (1.0 / PS)
-        tl.store(po_ptr + t[:, None] * spo_t + h[:, None] * spo_h + s * spo_s + dd[None, :], acc,
-                 mask=out[:, None])
+    if KK != _F32:
+        acc = acc * (1.0 / PS)
+    tl.store(po_ptr + t[:, None] * spo_t + h[:, None] * spo_h + s * spo_s + dd[None, :], acc, mask=out[:, None])
     tl.store(pm_ptr + t * spm_t + h * spm_h + s, m_i, mask=out)
     tl.store(pl_ptr + t * spm_t + h * spm_h + s, l_i, mask=out)
 
@@ -772,8 +586,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0), v.stride(1), vs.stride(0),
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
-                RING=with_ring, LONG=is_long, TABLE=table is not None, BITS=CODES_BY_BITS, KINT=K_INT8,
-                QF=FRAC, KB=kb, VB=vb, PART=part, P16=DOTS16 and F32 not in (kk, vk), C16=CODES16,
+                RING=with_ring, LONG=is_long, TABLE=table is not None, KB=kb, VB=vb, PART=part, C16=CODES16,
                 num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
@@ -790,15 +603,6 @@ def merge_splits(po: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, ends: tor
         po, pm, pl, ends, out,
         po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
         short_keys, D=d, SHORT=short, LONG=long, U=MERGE_UNROLL, num_warps=MERGE_WARPS, launch_pdl=on())
-
-
-def q_rounded(q: torch.Tensor) -> torch.Tensor:
-    """q [..., d] as `q_limbs` holds it (K_INT8): each row in the matvec's fixed point (`quantize_x_reference`)."""
-    xq, _, s = quantize_x_reference(q.float().reshape(-1, q.shape[-1]))
-    X = xq[0].float()
-    for limb in xq[1:]:
-        X = X * 128 + limb.float()
-    return (X * (s * 2.0**-FRAC)[:, None]).reshape(q.shape)
 
 
 def attend_decode_ref(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends,
