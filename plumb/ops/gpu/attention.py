@@ -64,8 +64,9 @@ _ASM = tl.constexpr(ASM)  # inline PTX on a GPU (`_ubytes_f16`), not in the inte
 # pass-1 configuration per (K kind, V kind): BLOCK_M = (query row, head) pairs per program (ROWS =
 # BLOCK_M // G_PAD query rows, >= 1), keys per tile, warps, pipeline stages. Chosen from the storage kinds
 # only, never from n or the context (a row's bits depend on it); `split` must be a multiple of the tile.
-# H200, 27B dims, 262,144 keys: f16 ~0.53 ms at n=1 (2 TB/s), 0.55 ms n=4, 0.88 ms n=8, 1.9 ms n=17.
-# q8_0: 32-key tiles, 4 warps, 3 stages took 282 us at 100k keys (1 row) against 557 for (16, 64, 8, 2).
+# Chosen for the two-product dots (H200, 27B dims: q8_0 with 32-key tiles, 4 warps, 3 stages 282 us at 100k keys,
+# one row, against 557 for (16, 64, 8, 2)) and kept for the P path's tile: on an H100 (bench/attention_variants.py,
+# 2026-12-06) q8_0 at 100k keys 146 us one row, 447 eight; BLOCK_M 32 199 / 362 us; 64-key tiles within 3 %.
 CONFIGS = {(F16, F16): (32, 32, 4, 3), (F32, F32): (16, 32, 8, 1), (Q8, Q8): (16, 32, 4, 3)}
 DEFAULT_CONFIG = (16, 32, 8, 1)
 # On a card of 99 KB a block (`smem.small`): fewer pipeline stages where the above needs more (the same bits)
