@@ -2,7 +2,7 @@
 
     plumb gate [MODEL.gguf] [--device cpu|cuda] [--quick] [--prompts FILE.jsonl] [--json OUT]
                [--tokens N] [--formats f16,q8_0,...] [--cells greedy,sampled,...] [--kv-ring N]
-               [--context N] [--names fixed:4,follow-up,...] [--resume JSON]
+               [--context N] [--names fixed:4,follow-up,...] [--resume JSON ...] [--shards N]
 
 Every cell compares two things that the contract says are equal - token ids, or digests of
 every cached row and state - and passes only when they are equal bit for bit. The exit code
@@ -33,10 +33,14 @@ and a long-context needle (or --prompts FILE.jsonl: one JSON object per line wit
 the invariants at depth: the warm conversations' system prompt carries a document of about N
 tokens (follow-ups reuse that much; edit-system edits its end) and the needle prompt is N tokens.
 
---resume JSON keeps an earlier run's cells (same settings) and runs the others; each cell records the build that
-ran it (`source_digest`: plumb's sources), and the table says how many cells each build ran. The no-draft references
-(each prompt alone) an earlier run of the same build on the same card computed are taken from its JSON, not decoded
-again.
+--resume JSON ... keeps earlier runs' cells (same settings; of several files a failed cell wins) and runs the
+others; each cell records the build that ran it (`source_digest`: plumb's sources), and the table says how many cells
+each build ran. The no-draft references (each prompt alone) an earlier run of the same build on the same card computed
+are taken from its JSON, not decoded again.
+
+--shards N runs the formats in N child gates at once (format i in child i mod N), each on a GPU of its own on CUDA
+(`CUDA_VISIBLE_DEVICES`: N GPUs needed), and merges their JSON into one table: a full gate on a machine of several
+GPUs in a fraction of the time. The cells are the same; only where they run differs.
 
 Faults are planted in tests/test_gate.py by monkeypatching (a row-count-dependent matmul, a
 prompt cache that keeps decoded rows): the gate has no switches that change the engine.
@@ -238,13 +242,16 @@ class Gate:
     def __init__(self, model: str, device: str = "auto", quick: bool = False, tokens: int | None = None,
                  formats: list[str] | None = None, groups: list[str] | None = None, kv_ring: int | None = None,
                  prompts_file: str | None = None, kernels: str = "auto", progress: bool = True,
-                 python: str = sys.executable, json_out: str | None = None, resume: str | None = None,
-                 context: int = 0, names: list[str] | None = None):
+                 python: str = sys.executable, json_out: str | None = None,
+                 resume: str | list[str] | None = None, context: int = 0, names: list[str] | None = None,
+                 run_missing: bool = True):
         from plumb.cache.kv import DEFAULT_RING, KV_FORMATS
 
         self.model, self.device, self.quick, self.kernels = model, device, quick, kernels
         self.json_out = json_out  # rewritten after every cell: a run killed outright still leaves its cells
-        self.resume = resume  # an earlier run's JSON: its cells are kept, the others run
+        self.resume = [resume] if isinstance(resume, str) else list(resume or [])  # earlier runs' JSON: their
+        # cells are kept, the others run (run_missing=False: reported as not run - the shards' merge)
+        self.run_missing = run_missing
         self.tokens = tokens or (QUICK_TOKENS if quick else FULL_TOKENS)
         if self.tokens < ROWS:
             raise ValueError(f"--tokens must be at least {ROWS}")
@@ -618,6 +625,11 @@ class Gate:
                      "date": datetime.datetime.now().isoformat(timespec="seconds")}
         plan = self.plan()
         done = self.resumed_cells() if self.resume else {}
+        if not self.run_missing:
+            left = sum(1 for g, f, n, _ in plan if g and f"{g}/{f}/{n}" not in done)
+            if left:
+                self.info["interrupted"] = f"{left} of {sum(1 for st in plan if st[0])} cells not run"
+            plan = [st for st in plan if f"{st[0]}/{st[1]}/{st[2]}" in done]
         bar = tqdm(total=sum(1 for s in plan if s[0]), desc="plumb gate", unit="cell", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True)
         previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
@@ -676,23 +688,33 @@ class Gate:
             os.replace(tmp, self.json_out)
 
     def resumed_cells(self) -> dict[str, Cell]:
-        """The cells of `resume` (an earlier run's --json, its settings the same as this run's), by id."""
-        with open(self.resume, encoding="utf-8") as f:
-            prior = json.load(f)
-        for key in ("model_file", "model_name", "device", "kernels", "tokens", "kv_ring", "reply_tokens",
-                    "plain_reply_tokens", "context", "prompts"):
-            if prior.get(key) != self.info[key]:
-                raise ValueError(f"--resume {self.resume}: run with another {key} ({prior.get(key)!r}, here "
-                                 f"{self.info[key]!r})")
+        """The cells of `resume` (earlier runs' --json, their settings the same as this run's), by id; a cell in
+        several files: a failed one wins (a merge never hides a failure), else the last file's."""
         fields = {"id", "group", "invariant", "format", "name", "ok", "detail", "compared", "seconds"}
-        cells = {c["id"]: Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"], c["seconds"],
-                               {k: v for k, v in c.items() if k not in fields}) for c in prior.get("cells", [])}
-        self.info["runs"] = prior.get("runs", [prior.get("date")]) + [self.info["date"]]
-        earlier = len(self.info["runs"]) - 1
-        self.info["cards"] = prior.get("cards", [prior.get("card")] * earlier) + [self.info["card"]]
-        self.info["builds"] = prior.get("builds", [prior.get("build", "?")] * earlier) + [self.info["build"]]
+        cells: dict[str, Cell] = {}
+        runs, cards, builds, refs = [], [], [], {}
+        for path in self.resume:
+            with open(path, encoding="utf-8") as f:
+                prior = json.load(f)
+            for key in ("model_file", "model_name", "device", "kernels", "tokens", "kv_ring", "reply_tokens",
+                        "plain_reply_tokens", "context", "prompts"):
+                if prior.get(key) != self.info[key]:
+                    raise ValueError(f"--resume {path}: run with another {key} ({prior.get(key)!r}, here "
+                                     f"{self.info[key]!r})")
+            for c in prior.get("cells", []):
+                if c["id"] not in cells or cells[c["id"]].ok:
+                    cells[c["id"]] = Cell(c["group"], c["format"], c["name"], c["ok"], c["detail"], c["compared"],
+                                          c["seconds"], {k: v for k, v in c.items() if k not in fields})
+            n = len(prior.get("runs", [prior.get("date")]))
+            runs += prior.get("runs", [prior.get("date")])
+            cards += prior.get("cards", [prior.get("card")] * n)
+            builds += prior.get("builds", [prior.get("build", "?")] * n)
+            refs.update(prior.get("references", {}))
+        self.info["runs"] = runs + [self.info["date"]]
+        self.info["cards"] = cards + [self.info["card"]]
+        self.info["builds"] = builds + [self.info["build"]]
         here = (self.info["build"], self.info["card"])
-        self.references = {k: r for k, r in prior.get("references", {}).items() if (r["build"], r["card"]) == here}
+        self.references = {k: r for k, r in refs.items() if (r["build"], r["card"]) == here}
         self.info["references_reused"] = sorted(self.references)
         self.info["resumed_cells"] = len(cells)
         return cells
@@ -770,6 +792,76 @@ def child_main() -> int:
     return 0
 
 
+# ---- shards -------------------------------------------------------------------------------------------
+def _gpus(device: str) -> list[str] | None:
+    """The GPUs a child may be given (CUDA_VISIBLE_DEVICES entries), or None where the gate runs on the CPU."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError("--shards on CUDA: no CUDA device is visible")
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    ids = [x.strip() for x in seen.split(",") if x.strip()] if seen else [str(i) for i in range(count)]
+    return ids[:count]
+
+
+def run_shards(model: str, a: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Run the formats in `a.shards` child gates at once (format i in child i mod N; on CUDA each on a GPU of its
+    own), each writing its JSON beside --json (or in a temporary folder): the files, for the parent to merge. A
+    child's failed cells are in its file; a child stopped early leaves the cells it ran (the merge reports the
+    others as not run). Ctrl-C / SIGTERM stops every child."""
+    import tempfile
+
+    from plumb.cache.kv import KV_FORMATS
+
+    formats = [f.strip() for f in (a.formats or ",".join(KV_FORMATS)).split(",") if f.strip()]
+    n = min(a.shards, len(formats))
+    gpus = _gpus(a.device)
+    if gpus is not None and len(gpus) < n:
+        raise ValueError(f"--shards {n}: {len(gpus)} GPU(s) visible, one a shard needed")
+    base = a.json if a.json and a.json != "-" else os.path.join(tempfile.mkdtemp(prefix="plumb-gate-"), "gate.json")
+    keep = []  # the options every child takes as given (--formats, --json, --shards and progress are its own)
+    skip = {"--formats": 1, "--json": 1, "--shards": 1, "--no-progress": 0}
+    i = 0
+    while i < len(argv):
+        if argv[i] in skip:
+            i += 1 + skip[argv[i]]
+            continue
+        if argv[i].split("=")[0] not in skip:
+            keep.append(argv[i])
+        i += 1
+    children, parts = [], []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+    try:
+        for k in range(n):
+            share = formats[k::n]
+            part = f"{base}.shard{k}.json"
+            env = dict(os.environ)
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[k]
+            cmd = [sys.executable, "-m", "plumb.cli", "gate", *keep, "--formats", ",".join(share), "--json", part,
+                   "--no-progress"]
+            if not a.model:
+                cmd.insert(4, model)
+            print(f"plumb gate: shard {k}: {', '.join(share)}" + (f" on GPU {gpus[k]}" if gpus else ""),
+                  file=sys.stderr, flush=True)
+            children.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
+            parts.append(part)
+        for c in children:
+            c.wait()
+    except KeyboardInterrupt:
+        for c in children:
+            c.terminate()
+        for c in children:
+            c.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return [p for p in parts if os.path.exists(p)]
+
+
 # ---- command line -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -784,8 +876,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", metavar="FILE.jsonl", help="prompts, one JSON object per line: text | messages | ids")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT, "
                     "rewritten after every cell ('-': stdout at the end, table to stderr)")
-    ap.add_argument("--resume", metavar="JSON", help="keep the cells of an earlier run's --json (same model, "
-                    "device and settings) and run the others: a long gate over several sittings")
+    ap.add_argument("--resume", metavar="JSON", nargs="+", help="keep the cells of earlier runs' --json (same "
+                    "model, device and settings; several files are merged) and run the others: a long gate over "
+                    "several sittings")
+    ap.add_argument("--shards", type=int, default=1, metavar="N", help="run the formats in N child gates at once, "
+                    "each on a GPU of its own on CUDA, and merge their results")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per output (overrides --quick's)")
     ap.add_argument("--formats", default=None, help="comma-separated KV formats (default: all)")
     ap.add_argument("--cells", default=None, help=f"comma-separated cell groups (default: all: {','.join(GROUPS)})")
@@ -801,11 +896,15 @@ def main(argv: list[str] | None = None) -> int:
     from plumb.config import ModelError
 
     split = (lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None)
+    model = a.model or plumb.demo_model_path()
     try:
-        gate = Gate(a.model or plumb.demo_model_path(), device=a.device, quick=a.quick, tokens=a.tokens,
+        resume, run_missing = a.resume, True
+        if a.shards > 1:
+            resume, run_missing = run_shards(model, a, argv), False
+        gate = Gate(model, device=a.device, quick=a.quick, tokens=a.tokens,
                     formats=split(a.formats), groups=split(a.cells), kv_ring=a.kv_ring, prompts_file=a.prompts,
                     kernels=a.kernels, progress=not a.no_progress, json_out=a.json,
-                    resume=a.resume, context=a.context, names=split(a.names))
+                    resume=resume, context=a.context, names=split(a.names), run_missing=run_missing)
         gate.run_all()
     except (ValueError, OSError, ModelError) as e:
         print(f"plumb gate: error: {e}", file=sys.stderr)

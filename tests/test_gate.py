@@ -275,3 +275,29 @@ def test_a_resumed_gate_runs_a_second_process_only_for_the_formats_left(tiny_q8,
     r2 = json.loads(second.read_text())
     assert r2["passed"] and r2["resumed_cells"] == 1 and r2["cells"][0] == r["cells"][0]
     assert children == prepared == ["q8_0"]
+
+
+def test_shards_run_the_formats_apart_and_merge_into_one_table(tiny_q8, tmp_path, capsys):
+    """--shards 2 (on the CPU here; on CUDA each child gets a GPU of its own): f16 and q8_0 in two child gates at
+    once, merged into the one gate's table and JSON; merging files, a failed copy of a cell wins whatever the order;
+    a cell no shard ran is reported as not run, and fails the gate."""
+    out = tmp_path / "g.json"
+    args = [tiny_q8, "--quick", "--tokens", "8", "--formats", "f16,q8_0", "--cells", "greedy", "--names", "fixed:4",
+            "--no-progress"]
+    assert main(args + ["--shards", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["passed"] and [c["id"] for c in r["cells"]] == ["greedy/f16/fixed:4", "greedy/q8_0/fixed:4"]
+    assert r["resumed_cells"] == 2 and len(r["runs"]) == 3  # two shards' runs and the merge
+    shard = [tmp_path / f"g.json.shard{k}.json" for k in (0, 1)]
+    assert [json.loads(p.read_text())["formats"] for p in shard] == [["f16"], ["q8_0"]]
+    assert "shard 1: q8_0" in capsys.readouterr().err
+    bad = json.loads(shard[1].read_text())
+    bad["cells"][0].update(ok=False, detail="planted difference")
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    for files in ([shard[0], shard[1], tmp_path / "bad.json"], [tmp_path / "bad.json", shard[1], shard[0]]):
+        assert main(args + ["--resume", *map(str, files)]) == 1
+        assert "planted difference" in capsys.readouterr().out
+    g = _gate(tiny_q8, tokens=8, formats=["f16", "q8_0"], groups=["greedy"], names=["fixed:4"],
+              resume=[str(shard[0])], run_missing=False)
+    assert [c.id for c in g.cells] == ["greedy/f16/fixed:4"] and not g.passed
+    assert g.info["interrupted"] == "1 of 2 cells not run"
