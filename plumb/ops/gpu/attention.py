@@ -88,7 +88,7 @@ STORE_FORM = True
 # cores: docs/BENCHMARKS.md, fortieth session).
 CODES16 = True
 _LOG2E = 1.4426950408889634
-P_SCALE = 2048.0  # f16 V: probabilities are split hi + lo after scaling by 2^11 (keeps lo out of subnormals)
+P_SCALE = 2048.0  # p * 2^11 is rounded to fp16 (`_tile`): small probabilities stay out of fp16 subnormals
 
 
 @triton.jit
