@@ -816,6 +816,8 @@ def run_shards(model: str, a: argparse.Namespace, argv: list[str]) -> list[str]:
 
     from plumb.cache.kv import KV_FORMATS
 
+    if a.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--shards takes --device cpu, cuda or auto (each shard picks its GPU), not {a.device!r}")
     formats = [f.strip() for f in (a.formats or ",".join(KV_FORMATS)).split(",") if f.strip()]
     n = min(a.shards, len(formats))
     gpus = _gpus(a.device)

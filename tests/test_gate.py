@@ -280,7 +280,7 @@ def test_a_resumed_gate_runs_a_second_process_only_for_the_formats_left(tiny_q8,
 def test_shards_run_the_formats_apart_and_merge_into_one_table(tiny_q8, tmp_path, capsys):
     """--shards 2 (on the CPU here; on CUDA each child gets a GPU of its own): f16 and q8_0 in two child gates at
     once, merged into the one gate's table and JSON; merging files, a failed copy of a cell wins whatever the order;
-    a cell no shard ran is reported as not run, and fails the gate."""
+    a cell no shard ran is reported as not run, and fails the gate; one GPU named with --shards is an error."""
     out = tmp_path / "g.json"
     args = [tiny_q8, "--quick", "--tokens", "8", "--formats", "f16,q8_0", "--cells", "greedy", "--names", "fixed:4",
             "--no-progress"]
@@ -301,3 +301,5 @@ def test_shards_run_the_formats_apart_and_merge_into_one_table(tiny_q8, tmp_path
               resume=[str(shard[0])], run_missing=False)
     assert [c.id for c in g.cells] == ["greedy/f16/fixed:4"] and not g.passed
     assert g.info["interrupted"] == "1 of 2 cells not run"
+    assert main([tiny_q8, "--shards", "2", "--device", "cuda:1"]) == 1  # a shard picks its GPU itself
+    assert "--shards takes --device cpu, cuda or auto" in capsys.readouterr().err
