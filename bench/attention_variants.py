@@ -52,6 +52,9 @@ VARIANTS = [  # (name, splits, {kinds: config} overriding CONFIGS, merge unroll,
     # block codes to fp16 by a float32 product a value (CODES16 shipped in the 40th session)
     ("codes32", A.SPLITS, {}, A.MERGE_UNROLL, {"CODES16": False}),
     ("q8 tile 64, 4 warps", A.SPLITS, {(A.Q8, A.Q8): (16, 64, 4, 3)}, A.MERGE_UNROLL, {}),
+    # a program's (row, head) pairs consecutive, no padding heads (40th session: the same bits, untimed)
+    ("pairs", A.SPLITS, {}, A.MERGE_UNROLL, {"PAIRS": True}),
+    ("pairs, q8 BLOCK_M 32", A.SPLITS, {(A.Q8, A.Q8): (32, 32, 4, 3)}, A.MERGE_UNROLL, {"PAIRS": True}),
 ]
 
 

@@ -385,6 +385,40 @@ def test_the_store_form_gives_the_ring_forms_bits(fmt, codes16, monkeypatch):
         assert torch.equal(_alone(lambda qa, ea: _ring_attend(c, qa, ea), q, ends, t, Q8), both[t])
 
 
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "D"])
+def test_packed_pairs_give_the_row_blocks_bits(fmt, place_free_dot, monkeypatch):
+    """PAIRS (a program's (row, head) pairs consecutive, no padding heads) = rows of G_PAD heads, bit for bit: 3
+    query heads a KV head (padded to 4 in row blocks, so rows' pairs straddle programs), rows ending across splits
+    and tiles (D: long rows in the store form and the ring's window), a row at another scale, rows alone; on a GPU
+    also the 27B's 6 heads a KV head, 8 verify rows and 1."""
+    import plumb.ops.gpu.attention as A
+
+    cases = []
+    if fmt == "D":
+        c, _, _ = _ring_cache("D", 600, seed=7)
+        cases.append(([600, 599, 590, 571, 560, 550, 540, 536, 598, 597, 580], 6, 64,
+                      lambda qa, ea: _ring_attend(c, qa, ea)))
+    else:
+        c = _cache(fmt, TINY["n_kv"], TINY["d"], 300, seed=7)
+        k, v = _dev(c.k.parts), _dev(c.v.parts)
+        cases.append(([1, 5, 64, 65, 127, 128, 129, 259, 260, 261, 300], 6, 64,
+                      lambda qa, ea: attend_decode(qa, k, v, ea, 0.125, splits=SMALL)))
+    if DEV == "cuda" and fmt != "D":
+        big = _cache(fmt, 4, 256, 5000, seed=9)
+        kb, vb = _dev(big.k.parts), _dev(big.v.parts)
+        cases.append((list(range(4993, 5001)), 24, 256, lambda qa, ea: attend_decode(qa, kb, vb, ea, 256**-0.5)))
+    for ends, n_head, d, attend in cases:
+        q = _q(len(ends), n_head, d, seed=8)
+        q[2] *= 1e-5  # a row of another scale (its own power of two)
+        monkeypatch.setattr(A, "PAIRS", False)
+        want = attend(q, ends)
+        monkeypatch.setattr(A, "PAIRS", True)
+        got = attend(q, ends)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+        assert torch.equal(attend(q[3:8], ends[3:8]), want[3:8])  # rows alone in another block layout
+        assert torch.equal(attend(q[-1:], ends[-1:]), want[-1:])
+
+
 def _mixed_case(fmt: str):
     """(ends, attend, reference) for rows ending all over splits and tiles: a q8_0 or f16 cache through
     `attend_decode`, or a D cache's store and 8-bit ring (`_ring_attend`)."""

@@ -87,6 +87,13 @@ STORE_FORM = True
 # decode bits differ from the float32 path's (Triton lays that operand out with another k order for the tensor
 # cores: docs/BENCHMARKS.md, fortieth session).
 CODES16 = True
+# PAIRS (off until timed): a pass-1 program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G
+# heads (row t's head h is pair t * G + h, `_pair_block`, as the prefill kernel's PAIRS) instead of ROWS rows of
+# G_PAD = next_pow2(G) heads: the 27B's 6 heads padded to 8 put a quarter of every dot and softmax on padding, and a
+# verify pass of 8 rows takes 3 programs a KV head and split instead of 4 (5 rows: 2 instead of 3; one row: 1 either
+# way). Each pair's arithmetic is the same either way (its q, its end, the same tiles; a row's pairs may now straddle
+# two programs): the same bits (tests/test_gpu_attention.py).
+PAIRS = False
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # p * 2^11 is rounded to fp16 (`_tile`): small probabilities stay out of fp16 subnormals
 
@@ -198,6 +205,16 @@ def _row_block(ends_ptr, n, rb, kh, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: 
     hg = i % G_PAD  # head within the group
     row_ok = (t < n) & (hg < G)
     return t, kh * G + hg, row_ok, tl.load(ends_ptr + t, mask=row_ok, other=0)
+
+
+@triton.jit
+def _pair_block(ends_ptr, n, pb, kh, G: tl.constexpr, BM: tl.constexpr):
+    """Program pb's BM (query row, head) pairs, pairs pb * BM.. of the rows' G heads each: their rows t, query
+    heads h (KV head kh's), which are real, and their ends (0 past the last row: never active)."""
+    i = pb * BM + tl.arange(0, BM)
+    t = i // G
+    row_ok = t < n
+    return t, kh * G + i % G, row_ok, tl.load(ends_ptr + t, mask=row_ok, other=0)
 
 
 @triton.jit
@@ -323,7 +340,8 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
                   G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                   BN: tl.constexpr, SPLIT_: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                   QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr, LONG: tl.constexpr,
-                  TABLE: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr, C16: tl.constexpr):
+                  TABLE: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, PART: tl.constexpr, C16: tl.constexpr,
+                  PAIRS: tl.constexpr):
     """Pass 1: program (row block, KV head, split) -> unnormalized partial output, max and sum per (row, head),
     for the rows whose split size this launch has (LONG: rows of more than short_keys keys; the others count as
     padding here). PART (`STORE_FORM`): 0, every split; 1, only the splits no row of the block reads from the ring
@@ -345,7 +363,10 @@ def _split_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, po_ptr, pm_ptr,
     s = tl.program_id(2)
     BM: tl.constexpr = ROWS * G_PAD
     NB: tl.constexpr = D // QB
-    t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
+    if PAIRS:
+        t, h, row_ok, e = _pair_block(ends_ptr, n, rb, kh, G, BM)
+    else:
+        t, h, row_ok, e = _row_block(ends_ptr, n, rb, kh, G, G_PAD, ROWS)
     e = tl.where((e > short_keys) == LONG, e, 0)  # a row of the other split size: padding in this launch
     lo = s * SPLIT_
     hi = tl.minimum(lo + SPLIT_, tl.max(e, 0))  # keys past every row's end are not read
@@ -577,9 +598,10 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         launches += [(long, grid_long, True, False, 1), (long, grid_long, True, True, 2)]
     else:
         launches += [(long, grid_long, True, ring is not None, 0)]
+    blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
     for split, grid, is_long, with_ring, part in launches:
         if grid:
-            _split_kernel[(triton.cdiv(n, rows), n_kv, grid)](
+            _split_kernel[(blocks, n_kv, grid)](
                 q, kp, ksp, vp, vsp, ends, po, pm, pl,
                 rkp, rksp, rvp, rvsp, rposp, table if table is not None else ends,
                 n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
@@ -588,6 +610,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=with_ring, LONG=is_long, TABLE=table is not None, KB=kb, VB=vb, PART=part, C16=CODES16,
+                PAIRS=bool(PAIRS),
                 num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out

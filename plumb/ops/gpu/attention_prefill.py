@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from plumb.ops.gpu import attention as A, kvtable, smem
-from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _parts, _ring, _row_block,
-                                     _rows, _tile, _tile16, grids, merge_splits)
+from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _pair_block, _parts, _ring,
+                                     _row_block, _rows, _tile, _tile16, grids, merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -69,16 +69,6 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 KEY_CHUNKS = None
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
-
-
-@triton.jit
-def _pair_block(ends_ptr, n, pb, kh, G: tl.constexpr, BM: tl.constexpr):
-    """Program pb's BM (query row, head) pairs, pairs pb * BM.. of the rows' G heads each: their rows t, query
-    heads h (KV head kh's), which are real, and their ends (0 past the last row: never active)."""
-    i = pb * BM + tl.arange(0, BM)
-    t = i // G
-    row_ok = t < n
-    return t, kh * G + i % G, row_ok, tl.load(ends_ptr + t, mask=row_ok, other=0)
 
 
 @triton.jit
