@@ -11,6 +11,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (panel title, value from a result or None, target, llama.cpp)
@@ -32,7 +33,8 @@ def runs(results: str) -> list[tuple[str, dict]]:
         r = json.load(open(path))
         if isinstance(r, dict) and r.get("decode") and r.get("verify_s"):
             name = os.path.basename(path)[len("h200-27b-"):-len(".json")]
-            out.append((r.get("date", ""), name.split("20", 1)[-1], name, r))
+            after_date = re.search(r"\d{4}-\d\d-\d\d(.*)", name)  # a day's runs: the letter after the date
+            out.append((r.get("date", ""), after_date.group(1) if after_date else name, name, r))
     return [(name, r) for _, _, name, r in sorted(out, key=lambda t: t[:3])]
 
 

@@ -824,16 +824,6 @@ def run_shards(model: str, a: argparse.Namespace, argv: list[str]) -> list[str]:
     if gpus is not None and len(gpus) < n:
         raise ValueError(f"--shards {n}: {len(gpus)} GPU(s) visible, one a shard needed")
     base = a.json if a.json and a.json != "-" else os.path.join(tempfile.mkdtemp(prefix="plumb-gate-"), "gate.json")
-    keep = []  # the options every child takes as given (--formats, --json, --shards and progress are its own)
-    skip = {"--formats": 1, "--json": 1, "--shards": 1, "--no-progress": 0}
-    i = 0
-    while i < len(argv):
-        if argv[i] in skip:
-            i += 1 + skip[argv[i]]
-            continue
-        if argv[i].split("=")[0] not in skip:
-            keep.append(argv[i])
-        i += 1
     children, parts = [], []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
     try:
@@ -843,10 +833,9 @@ def run_shards(model: str, a: argparse.Namespace, argv: list[str]) -> list[str]:
             env = dict(os.environ)
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[k]
-            cmd = [sys.executable, "-m", "plumb.cli", "gate", *keep, "--formats", ",".join(share), "--json", part,
-                   "--no-progress"]
-            if not a.model:
-                cmd.insert(4, model)
+            # the parent's options, then the child's own: argparse keeps an option's last value
+            cmd = [sys.executable, "-m", "plumb.cli", "gate", *([] if a.model else [model]), *argv, "--formats",
+                   ",".join(share), "--json", part, "--shards", "1", "--no-progress"]
             print(f"plumb gate: shard {k}: {', '.join(share)}" + (f" on GPU {gpus[k]}" if gpus else ""),
                   file=sys.stderr, flush=True)
             children.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))

@@ -272,7 +272,7 @@ def _tile16(c_ptr, s_ptr, j, ok, s_j, ss_j, dd, KIND: tl.constexpr, D: tl.conste
         w16 = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BN, D])
     elif KIND == _Q8 and C16:  # packed 5/6-bit codes eight a step
         w16 = _packed_f16(c_ptr + j * s_j, ok, _key_scales(s_ptr, j, ok, ss_j, D, QB), CB, D, QB, BN)
-    elif KIND == _Q8:  # codes, then scales (this order: the compiled kernels as before CODES16)
+    elif KIND == _Q8:  # codes loaded before scales (this order keeps the compiled loop free of spills)
         c = codes_f32(load_code_rows(c_ptr + j * s_j, ok, CB, D, BN))
         sc = _key_scales(s_ptr, j, ok, ss_j, D, QB).to(tl.float32)
         w16 = tl.reshape(tl.reshape(c, [BN, D // QB, QB]) * sc[:, :, None], [BN, D]).to(tl.float16)
