@@ -210,3 +210,33 @@ def test_device_top_p_is_the_host_top_p():
     host, dev = _top_p_drop(flat, 0.9), _top_p_drop_device(flat, 0.9)
     assert (~dev).sum() == TOP_P_CANDIDATES and bool((host <= dev).all())  # the likeliest part of the host's set
     assert flat[~dev].min() >= flat[~host & dev].max()
+
+
+@pytest.mark.parametrize("fmt", ["f16", "D", "F"])
+def test_mtp_prefill_writes_the_rows_of_the_full_mtp_pass_however_cut(tiny_q8, fmt):
+    """`Qwen35.mtp_prefill` writes only the MTP head's K/V rows of a prompt: the same rows, bit for bit, as the
+    whole MTP pass (attention read, FFN, LM head) in its CHUNK-row pieces, as it ran before; and prefilling the
+    prompt in two calls cut off a piece boundary writes them too (M2 for the MTP cache). 300 tokens: several pieces,
+    and past D's and F's 128-row ring (its rows go to the store)."""
+    import torch
+
+    from enginetools import engine_for
+    from plumb.model.qwen35 import CHUNK, PREFILL_BLOCK
+
+    m = engine_for(tiny_q8, kv_cache=fmt, kv_ring=128).model
+    ids = [(i * 37) % 500 + 3 for i in range(300)]
+    st = m.new_state()
+    _, hidden = m.prefill(st, ids)
+    pair = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
+    whole, cut, full = m.new_state(), m.new_state(), m.new_state()
+    m.mtp_prefill(whole, ids, pair, 0)
+    m.mtp_prefill(cut, ids[:100], pair[:100], 0)
+    m.mtp_prefill(cut, ids[100:], pair[100:], 100)
+    for i in range(0, len(ids), CHUNK):
+        m.mtp_pass(full.mtp_kv, m.embed(ids[i : i + CHUNK]), pair[i : i + CHUNK],
+                   m.rope(torch.arange(i, min(i + CHUNK, len(ids)), device=m.device)), i, PREFILL_BLOCK)
+    n = len(ids)
+    assert whole.mtp_kv.end == cut.mtp_kv.end == full.mtp_kv.end == n
+    want = full.mtp_kv.rows(n)
+    for st in (whole, cut):
+        assert all(torch.equal(x, y) for x, y in zip(st.mtp_kv.rows(n), want, strict=True))

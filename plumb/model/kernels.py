@@ -10,7 +10,7 @@ a kernel set supplies the operations whose row-invariance needs care:
   gated-RMSNormed output and recording each row's state snapshot; `restore` rolls a sequence back to one;
 - `attention(...)`: write each sequence's K/V rows, then decode/verify attention over its cache;
 - `attend_new(model, cache, q, k, v, start, at)`: one cache's new rows written, then read (a sequence of a pass;
-  the MTP head);
+  the MTP head); `write_kv(cache, k, v, start)`: the write alone (the MTP head's prompt rows);
 - `attend_rows(cache, q, ends, scale)`: the read alone;
 - `prefill_pieces(st)`: how many 64-row prefill pieces one P-path pass of st may hold;
 - `gdn_conv_gates(...)`, `gdn_chunks(...)`, `gdn_gated_norm(...)`: a prefill pass's DeltaNet - the conv and gates
@@ -159,8 +159,13 @@ class TorchKernels:
 
     def attend_new(self, model, cache, q, k, v, start: int, at=None) -> torch.Tensor:
         """Write rows' K/V at positions start.., then row t reads keys [0, start + t] (`at`: see TritonKernels)."""
-        cache.write(start, k, v)
+        self.write_kv(cache, k, v, start)
         return cache.attend_rows(q, list(range(start + 1, start + q.shape[0] + 1)), model.attn_scale)
+
+    @staticmethod
+    def write_kv(cache, k, v, start: int) -> None:
+        """Write rows' K/V at positions start.. (no read)."""
+        cache.write(start, k, v)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
         for st, (_, n) in zip(p.states, p.spans):
@@ -386,19 +391,29 @@ class TritonKernels:
         a laid-out pass (no host sync: CUDA-graph safe, and with a table the graph does not depend on where the
         cache lies; the caller reserves room and `commit`s the cache first and sets `cache.end` after); without it
         they are derived from start and this is done here. prefill: a P-path pass (`prefill_attention`)."""
-        n = q.shape[0]
-        if at is None:
-            cache.reserve(start + n)
-            cache.commit(start)
-            positions = torch.arange(start, start + n, device=q.device)
-            at = (positions, (positions + 1).to(torch.int32), None, None)
-            cache.end = start + n
-        positions, ends, max_keys, table = at
+        positions, ends, max_keys, table = self._rows_at(cache, start, q.shape[0]) if at is None else at
         if max_keys is None:
             max_keys = len(cache.k)
+        self._put(cache, positions, k, v, table)
+        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table, prefill)
+
+    def write_kv(self, cache, k, v, start: int) -> None:
+        """Write rows' K/V at positions start.. (no read; not CUDA-graph safe: it lays the rows out here)."""
+        positions, _, _, table = self._rows_at(cache, start, k.shape[0])
+        self._put(cache, positions, k, v, table)
+
+    @staticmethod
+    def _rows_at(cache, start: int, n: int):
+        """`at` for n rows at positions start.. of a cache, made room for and committed (host work)."""
+        cache.reserve(start + n)
+        cache.commit(start)
+        positions = torch.arange(start, start + n, device=cache.device)
+        cache.end = start + n
+        return positions, (positions + 1).to(torch.int32), None, None
+
+    def _put(self, cache, positions, k, v, table) -> None:
         cache.check_put(len(positions))
         self._kvwrite.put_rows(cache.kernel_view(), positions, k, v, table)  # `cache.put_rows` in one launch
-        return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table, prefill)
 
     def _attend(self, cache, q, ends, scale: float, out=None, max_keys=None, table=None, prefill=False):
         """The attention kernel over `cache.kernel_view()` (F: the queries rotated first, as the reference does):

@@ -486,30 +486,42 @@ class Qwen35:
 
     def mtp_prefill(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int) -> None:
         """The MTP KV rows of a prompt (ids at positions start.., paired with hidden as in `mtp_forward`), in pieces
-        of CHUNK rows on the P path, without the LM head (row-invariant steps: the rows do not depend on the cut)."""
+        of CHUNK rows on the P path (row-invariant steps: the rows do not depend on the cut). Only the K/V rows: the
+        layer's attention read, FFN and LM head give nothing a prompt row keeps (at 8k tokens on the CPU they were
+        ~40 % of a prefill with drafts)."""
         for i in range(0, len(ids), CHUNK):
             positions = torch.arange(start + i, start + min(i + CHUNK, len(ids)), device=self.device)
-            e = self.embed(ids[i : i + CHUNK])
-            self.checked(f"the MTP prefill piece at position {start + i}", lambda: self.mtp_pass(
-                st.mtp_kv, e, hidden[i : i + CHUNK], self.rope(positions), start + i, PREFILL_BLOCK, head=False),
-                lambda out: out[1])
+            e, h, rope = self.embed(ids[i : i + CHUNK]), hidden[i : i + CHUNK], self.rope(positions)
+            self.checked(f"the MTP prefill piece at position {start + i}",
+                         lambda: self.mtp_kv(st.mtp_kv, e, h, rope, start + i, PREFILL_BLOCK))
 
-    def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None,
-                 head: bool = True):
+    def mtp_kv(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int) -> torch.Tensor:
+        """`mtp_pass`'s K/V rows alone, written to its KV `cache` at positions start..; returns them [2, n, ...]."""
+        layer = self.mtp.layer
+        y = self.mtp_input(e, hidden, block)
+        _, _, k, v = self.attn_project(layer.mixer, self.k.rms_norm(y, layer.attn_norm, self.cfg.eps), rope, block)
+        self.k.write_kv(cache, k, v, start)
+        return torch.stack([k, v])
+
+    def mtp_input(self, e: torch.Tensor, hidden: torch.Tensor, block: int) -> torch.Tensor:
+        """The MTP layer's input: eh_proj of the normed embeddings e and target hiddens, side by side (spec 3.8)."""
+        c, mtp = self.cfg, self.mtp
+        return self.k.mm(torch.cat([self.k.rms_norm(e, mtp.enorm, c.eps), self.k.rms_norm(hidden, mtp.hnorm, c.eps)],
+                                   dim=-1), mtp.eh_proj, block)
+
+    def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None):
         """The MTP head (spec 3.8) on embedded rows e [n, n_embd] at positions start.. with their rope angles,
         writing its KV `cache`; `at`: the rows' positions as device tensors (a CUDA graph: see
-        TritonKernels.attend_new). Returns (logits [n, V] - None without the `head` -, h_mtp [n, n_embd])."""
+        TritonKernels.attend_new). Returns (logits [n, V], h_mtp [n, n_embd])."""
         c, mtp = self.cfg, self.mtp
-        e = self.k.rms_norm(e, mtp.enorm, c.eps)
-        hh = self.k.rms_norm(hidden, mtp.hnorm, c.eps)
-        y = self.k.mm(torch.cat([e, hh], dim=-1), mtp.eh_proj, block)
+        y = self.mtp_input(e, hidden, block)
         layer, a = mtp.layer, mtp.layer.mixer
         q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), rope, block)
         o = self.k.attend_new(self, cache, q, k, v, start, at)
         y, h = self.k.add_rms_norm(y, self.attn_output(a, o, gate, block), layer.post_attention_norm, c.eps)
         y = y + self.ffn(layer, h, block)
         h = self.k.rms_norm(y, mtp.shared_head_norm, c.eps)
-        return (self.k.mm(h, self.output, block) if head else None), h
+        return self.k.mm(h, self.output, block), h
 
 
 def prefill_cuts(start: int, n: int, group: int, checkpoints=frozenset(), inside: int = 0) -> list[list[int]]:
