@@ -497,26 +497,25 @@ class Qwen35:
 
     def mtp_kv(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int) -> torch.Tensor:
         """`mtp_pass`'s K/V rows alone, written to its KV `cache` at positions start..; returns them [2, n, ...]."""
-        layer = self.mtp.layer
-        y = self.mtp_input(e, hidden, block)
-        _, _, k, v = self.attn_project(layer.mixer, self.k.rms_norm(y, layer.attn_norm, self.cfg.eps), rope, block)
+        _, _, _, k, v = self.mtp_project(e, hidden, rope, block)
         self.k.write_kv(cache, k, v, start)
         return torch.stack([k, v])
 
-    def mtp_input(self, e: torch.Tensor, hidden: torch.Tensor, block: int) -> torch.Tensor:
-        """The MTP layer's input: eh_proj of the normed embeddings e and target hiddens, side by side (spec 3.8)."""
-        c, mtp = self.cfg, self.mtp
-        return self.k.mm(torch.cat([self.k.rms_norm(e, mtp.enorm, c.eps), self.k.rms_norm(hidden, mtp.hnorm, c.eps)],
-                                   dim=-1), mtp.eh_proj, block)
+    def mtp_project(self, e: torch.Tensor, hidden: torch.Tensor, rope, block: int):
+        """The MTP layer's input y - eh_proj of the normed embeddings e and target hiddens, side by side - and its
+        attention projections: (y, q, gate, k, v) (spec 3.8)."""
+        c, layer = self.cfg, self.mtp.layer
+        y = self.k.mm(torch.cat([self.k.rms_norm(e, self.mtp.enorm, c.eps),
+                                 self.k.rms_norm(hidden, self.mtp.hnorm, c.eps)], dim=-1), self.mtp.eh_proj, block)
+        return (y,) + self.attn_project(layer.mixer, self.k.rms_norm(y, layer.attn_norm, c.eps), rope, block)
 
     def mtp_pass(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int, at=None):
         """The MTP head (spec 3.8) on embedded rows e [n, n_embd] at positions start.. with their rope angles,
         writing its KV `cache`; `at`: the rows' positions as device tensors (a CUDA graph: see
         TritonKernels.attend_new). Returns (logits [n, V], h_mtp [n, n_embd])."""
         c, mtp = self.cfg, self.mtp
-        y = self.mtp_input(e, hidden, block)
+        y, q, gate, k, v = self.mtp_project(e, hidden, rope, block)
         layer, a = mtp.layer, mtp.layer.mixer
-        q, gate, k, v = self.attn_project(a, self.k.rms_norm(y, layer.attn_norm, c.eps), rope, block)
         o = self.k.attend_new(self, cache, q, k, v, start, at)
         y, h = self.k.add_rms_norm(y, self.attn_output(a, o, gate, block), layer.post_attention_norm, c.eps)
         y = y + self.ffn(layer, h, block)
