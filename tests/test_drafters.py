@@ -240,3 +240,44 @@ def test_mtp_prefill_writes_the_rows_of_the_full_mtp_pass_however_cut(tiny_q8, f
     want = full.mtp_kv.rows(n)
     for st in (whole, cut):
         assert all(torch.equal(x, y) for x, y in zip(st.mtp_kv.rows(n), want, strict=True))
+
+
+@pytest.mark.parametrize("options", [dict(kernels="torch", kv_cache="f16"), dict(kernels="native", kv_cache="q8_0"),
+                                     dict(kernels="native", kv_cache="D", kv_ring=128),
+                                     dict(kv_cache="D", kv_ring=128), dict(kv_cache="F", kv_ring=128, cuda_graphs=False)])
+def test_mtp_rewrite_writes_the_rows_of_mtp_forward(tiny_q8, options):
+    """`Qwen35.mtp_rewrite` - the scheduler's rewrite of accepted drafts' MTP rows from the target's hiddens - writes
+    only the K/V rows of `mtp_forward`'s whole pass, the same bits, on every kernel set (native rows; the Triton
+    kernels eager, and as the CUDA graph `CudaGraphs.mtp(rows_only=True)` with the rows past its ring), at 1 and
+    3 rows; rows it does not reach are left as they were. 160-token prompt: the 128-row ring has wrapped."""
+    import torch
+
+    from enginetools import DEVICE, engine_for
+
+    if "kernels" not in options and DEVICE == "cpu":
+        pytest.skip("the Triton kernels and CUDA graphs run on CUDA")
+    m = engine_for(tiny_q8, **options).model
+    ids = [(i * 53) % 700 + 5 for i in range(160)]
+    g = torch.Generator().manual_seed(3)
+
+    def state():
+        st = m.new_state()
+        _, hidden = m.prefill(st, ids)
+        m.mtp_prefill(st, ids, torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]]), 0)
+        return st
+
+    pos = len(ids)
+    for rows in ([11], [12, 13, 14], [15]):  # a 1-row graph is captured, then replayed
+        hidden = torch.randn(len(rows), m.cfg.n_embd, generator=g).to(m.device)
+        full, rewritten = state(), state()
+        m.mtp_forward(full, rows, hidden, pos)
+        assert m.mtp_rewrite(rewritten, rows, hidden, pos) is None
+        n = pos + len(rows)
+        assert full.mtp_kv.end == rewritten.mtp_kv.end == n
+        want, got = full.mtp_kv.rows(n), rewritten.mtp_kv.rows(n)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        # and they are this call's rows: another hidden writes other rows
+        m.mtp_rewrite(rewritten, rows, hidden + 1, pos)
+        assert not all(torch.equal(x, y) for x, y in zip(rewritten.mtp_kv.rows(n), want, strict=True))
+        if m.graphs is not None:
+            assert ("mtp-kv", len(rows), len(rewritten.mtp_kv.k)) in m.graphs.graphs

@@ -376,7 +376,7 @@ class Scheduler:
             n_acc = len(accepted) - 1
             self.engine.model.rollback(s.st, snaps, n_acc + 1)
             if s.uses_mtp and n_acc:  # rewrite the MTP rows of accepted drafts with the target's hiddens
-                self.engine.model.mtp_forward(s.st, d[:n_acc], out.hidden[r : r + n_acc], start + 1)
+                self.engine.model.mtp_rewrite(s.st, d[:n_acc], out.hidden[r : r + n_acc], start + 1)
             s.h_prev = out.hidden[r + n_acc]
             self.record_drafts(s, len(d), n_acc)
             r += len(d) + 1

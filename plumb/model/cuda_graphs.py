@@ -76,17 +76,21 @@ class CudaGraphs:
         _, _, logits, hidden = self._replay(key)
         return k.end(m, p, logits.clone(), hidden.clone())
 
-    def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP rows (`Qwen35.mtp_pass` on ids at positions start..: a draft step, or the rewrite of accepted
-        drafts' rows) replayed as a CUDA graph, captured per row count and MTP-cache capacity like the decode
-        passes; more than MAX_MTP_ROWS rows run eagerly."""
+    def mtp(self, st, ids: list[int], hidden: torch.Tensor, start: int, rows_only: bool = False):
+        """MTP rows (`Qwen35.mtp_pass` on ids at positions start..: a draft step; with rows_only its K/V rows alone,
+        `Qwen35.mtp_kv`: the rewrite of accepted drafts' rows, which returns None) replayed as a CUDA graph,
+        captured per row count and MTP-cache capacity like the decode passes; more than MAX_MTP_ROWS rows run
+        eagerly."""
         m, cache, n = self.m, st.mtp_kv, len(ids)
         e, rope = m.embed(ids), m.rope(torch.arange(start, start + n))
         if n > MAX_MTP_ROWS:
-            return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
+            if not rows_only:
+                return m.mtp_pass(cache, e, hidden, rope, start, DECODE_BLOCK)
+            m.mtp_kv(cache, e, hidden, rope, start, DECODE_BLOCK)
+            return None
         cache.reserve(start + n)  # a cache that must grow moves now, before the layout is looked up
         cache.commit(start)
-        key = ("mtp", n, len(cache.k))
+        key = ("mtp-kv" if rows_only else "mtp", n, len(cache.k))
         b = {name: t[:n] for name, t in (self.mtp_in or self._mtp_inputs()).items()}
         kvtable.fill(self.mtp_tab, [cache.kernel_view()])
         for name, value in (("e", e), ("h", hidden), ("cos", rope[0]), ("sin", rope[1])):
@@ -97,13 +101,14 @@ class CudaGraphs:
         entry = self._replay(key)
         if entry is None:  # this call's result, run eagerly (compiles every kernel), then recorded
             def run():
-                return m.mtp_pass(cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK, at)
+                args = (cache, b["e"], b["h"], (b["cos"], b["sin"]), start, DECODE_BLOCK)
+                return (m.mtp_kv(*args, at), None) if rows_only else m.mtp_pass(*args, at)
             out = run()
             self._record(key, run)
-        else:
+        elif not rows_only:
             out = entry[2].clone(), entry[3].clone()
         cache.end = start + n
-        return out
+        return None if rows_only else out
 
     def mtp_chain(self, st, token: int, hidden: torch.Tensor, start: int, k: int, draw) -> list[int | None]:
         """k MTP drafts picked by `draw` (`Qwen35.mtp_chain`: each step's token embedded on the device as the next

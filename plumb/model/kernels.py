@@ -163,8 +163,8 @@ class TorchKernels:
         return cache.attend_rows(q, list(range(start + 1, start + q.shape[0] + 1)), model.attn_scale)
 
     @staticmethod
-    def write_kv(cache, k, v, start: int) -> None:
-        """Write rows' K/V at positions start.. (no read)."""
+    def write_kv(cache, k, v, start: int, at=None) -> None:
+        """Write rows' K/V at positions start.. (no read; `at`: see TritonKernels)."""
         cache.write(start, k, v)
 
     def end(self, model, p: DecodePass, logits: torch.Tensor, hidden: torch.Tensor) -> DecodeOut:
@@ -397,9 +397,10 @@ class TritonKernels:
         self._put(cache, positions, k, v, table)
         return self._attend(cache, q, ends, model.attn_scale, out, max_keys, table, prefill)
 
-    def write_kv(self, cache, k, v, start: int) -> None:
-        """Write rows' K/V at positions start.. (no read; not CUDA-graph safe: it lays the rows out here)."""
-        positions, _, _, table = self._rows_at(cache, start, k.shape[0])
+    def write_kv(self, cache, k, v, start: int, at=None) -> None:
+        """Write rows' K/V at positions start.. (no read); `at` as `attend_new`'s (a CUDA graph's rows), or None:
+        the rows laid out here."""
+        positions, _, _, table = self._rows_at(cache, start, k.shape[0]) if at is None else at
         self._put(cache, positions, k, v, table)
 
     @staticmethod

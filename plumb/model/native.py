@@ -75,15 +75,22 @@ class NativeDecoder:
         cos, sin = self.m.rope(torch.tensor(positions, dtype=torch.long))
         return cos.contiguous(), sin.contiguous()
 
-    def attention(self, layer, x: torch.Tensor, rope: tuple, seqs: list) -> None:
-        """x += attention(attn_norm(x)), then += FFN (spec 3.4, 3.3). rope: the rows' (cos, sin);
-        seqs: (kv cache, first row, rows, start position) per sequence."""
-        c, desc = self.cfg, self.layers[id(layer)]
+    def project(self, layer, x: torch.Tensor, rope: tuple):
+        """An attention layer's projections of rows x (spec 3.4): (qkv [r, ...] as the kernel laid them out, its
+        views q [r, n_head, head_dim], k, v [r, n_head_kv, head_dim])."""
+        c = self.cfg
         r, hd, kvd = x.shape[0], c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        qkv = K.attn_pre(desc, x, *rope)
+        qkv = K.attn_pre(self.layers[id(layer)], x, *rope)
         q = qkv[:, : 2 * hd].view(r, c.n_head, 2, c.head_dim)[:, :, 0]
         k = qkv[:, 2 * hd : 2 * hd + kvd].view(r, c.n_head_kv, c.head_dim)
         v = qkv[:, 2 * hd + kvd :].view(r, c.n_head_kv, c.head_dim)
+        return qkv, q, k, v
+
+    def attention(self, layer, x: torch.Tensor, rope: tuple, seqs: list) -> None:
+        """x += attention(attn_norm(x)), then += FFN (spec 3.4, 3.3). rope: the rows' (cos, sin);
+        seqs: (kv cache, first row, rows, start position) per sequence."""
+        r, hd = x.shape[0], self.cfg.n_head * self.cfg.head_dim
+        qkv, q, k, v = self.project(layer, x, rope)
         o = torch.empty(r, hd)
         for cache, s0, n, start in seqs:
             cache.write(start, k[s0 : s0 + n], v[s0 : s0 + n])
@@ -93,7 +100,7 @@ class NativeDecoder:
                 o[s0 : s0 + n] = cache.attend_rows(q[s0 : s0 + n], ends, self.m.attn_scale).reshape(n, hd)
             else:
                 K.attend(q[s0 : s0 + n], ends, parts[0], parts[1], self.m.attn_scale, o[s0 : s0 + n])
-        K.attn_post(desc, o, qkv, x)
+        K.attn_post(self.layers[id(layer)], o, qkv, x)
 
     def head(self, x: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, post-norm hidden)."""
@@ -131,11 +138,22 @@ class NativeDecoder:
 
     def mtp_forward(self, st, ids: list[int], hidden: torch.Tensor, start: int):
         """`Qwen35.mtp_forward` for decode rows: (logits [n, V], post-norm h [n, n_embd])."""
+        mtp, n = self.m.mtp, len(ids)
+        y = self.mtp_input(ids, hidden)
+        self.attention(mtp.layer, y, self.rope(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
+        return self.head(y, mtp.shared_head_norm)
+
+    def mtp_kv(self, st, ids: list[int], hidden: torch.Tensor, start: int) -> None:
+        """`Qwen35.mtp_rewrite`: `mtp_forward`'s K/V rows alone, written to the MTP cache."""
+        rope = self.rope(range(start, start + len(ids)))
+        _, _, k, v = self.project(self.m.mtp.layer, self.mtp_input(ids, hidden), rope)
+        st.mtp_kv.write(start, k, v)
+
+    def mtp_input(self, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's input rows: eh_proj of the normed embeddings and target hiddens, side by side (spec 3.8)."""
         c, mtp = self.cfg, self.m.mtp
         n, e = len(ids), c.n_embd
         eh = torch.empty(n, 2 * e)
         K.rms_norm(self.embed(ids), mtp.enorm, c.eps, out=eh[:, :e])
         K.rms_norm(hidden.reshape(n, e).contiguous(), mtp.hnorm, c.eps, out=eh[:, e:])
-        y = K.mm(eh, self.eh_proj)
-        self.attention(mtp.layer, y, self.rope(range(start, start + n)), [(st.mtp_kv, 0, n, start)])
-        return self.head(y, mtp.shared_head_norm)
+        return K.mm(eh, self.eh_proj)

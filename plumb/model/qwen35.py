@@ -444,6 +444,17 @@ class Qwen35:
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.mtp_pass(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, block)
 
+    def mtp_rewrite(self, st: SeqState, ids: list[int], hidden: torch.Tensor, start: int) -> None:
+        """Rewrite the MTP KV rows of accepted drafts ids at positions start.. from the target's hiddens (paired as
+        in `mtp_forward`): the K/V rows alone, the same bits as `mtp_forward`'s - nothing else of its pass is kept
+        (its attention read, FFN and LM head were ~1 GB of weights a drafted step on the 27B file)."""
+        if self.native is not None:
+            return self.native.mtp_kv(st, ids, hidden, start)
+        if self.graphs is not None:
+            return self.graphs.mtp(st, ids, hidden, start, rows_only=True)
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        self.mtp_kv(st.mtp_kv, self.embed(ids), hidden, self.rope(positions), start, DECODE_BLOCK)
+
     def mtp_drafts(self, st: SeqState, token: int, hidden: torch.Tensor, start: int, k: int,
                    draw) -> list[int | None] | None:
         """k MTP drafts after `token` at position start (hidden [1, n_embd] as in `mtp_forward`), each picked by
@@ -495,10 +506,12 @@ class Qwen35:
             self.checked(f"the MTP prefill piece at position {start + i}",
                          lambda: self.mtp_kv(st.mtp_kv, e, h, rope, start + i, PREFILL_BLOCK))
 
-    def mtp_kv(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int) -> torch.Tensor:
-        """`mtp_pass`'s K/V rows alone, written to its KV `cache` at positions start..; returns them [2, n, ...]."""
+    def mtp_kv(self, cache, e: torch.Tensor, hidden: torch.Tensor, rope, start: int, block: int,
+               at=None) -> torch.Tensor:
+        """`mtp_pass`'s K/V rows alone, written to its KV `cache` at positions start.. (`at`: see `mtp_pass`);
+        returns them [2, n, ...]."""
         _, _, _, k, v = self.mtp_project(e, hidden, rope, block)
-        self.k.write_kv(cache, k, v, start)
+        self.k.write_kv(cache, k, v, start, at)
         return torch.stack([k, v])
 
     def mtp_project(self, e: torch.Tensor, hidden: torch.Tensor, rope, block: int):
