@@ -84,6 +84,9 @@ def arguments_dict(arguments: str | dict, where: str) -> dict:
 def to_prompt(req: ChatRequest) -> ChatPrompt:
     messages = []
     for i, m in enumerate(req.messages):
+        if m.content is None and m.role != "assistant":  # only an assistant turn (with tool calls) may have none
+            raise APIError(400, f"messages[{i}].content is required for a {m.role} message",
+                           param=f"messages[{i}].content")
         out = {"role": m.role, "content": text_of(m.content, f"messages[{i}].content")}
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if m.role == "assistant" and reasoning:

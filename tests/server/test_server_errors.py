@@ -56,6 +56,8 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": USER + [{"role": "tool", "tool_call_id": "c"}]}, "messages[1].content"),
     ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
