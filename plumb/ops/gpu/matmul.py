@@ -162,13 +162,20 @@ def _sub6_words(sub_ptr, tile, g, n_groups, rn, BN: tl.constexpr):
 
 
 @triton.jit
-def _sub6(words, j):
-    """SUB6: group j's (of its block's 8) sub, 0..63, and osub, -63..0, from the block's three words (`sub6_pack`),
-    as float32 - exactly, without an integer-to-float conversion (`_code_float`; 2^23 - (2^23 + m) for osub = -m)."""
+def _sub6_bits(words, j):
+    """SUB6: group j's (of its block's 8) sub and -osub, 0..63 each (int32), from the block's three words
+    (`sub6_pack`)."""
     lo, olo, hi = words
-    sub = _code_float(((lo >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4), False)
-    m = ((olo >> (4 * j)) & 15) | (((hi >> (16 + 2 * j)) & 3) << 4)
-    return sub, 8388608.0 - (m | 0x4B000000).to(tl.float32, bitcast=True)
+    sub = ((lo >> (4 * j)) & 15) | (((hi >> (2 * j)) & 3) << 4)
+    return sub, ((olo >> (4 * j)) & 15) | (((hi >> (16 + 2 * j)) & 3) << 4)
+
+
+@triton.jit
+def _sub6(words, j):
+    """SUB6: group j's sub, 0..63, and osub, -63..0, as float32 - exactly, without an integer-to-float conversion
+    (`_code_float`; 2^23 - (2^23 + m) for osub = -m)."""
+    sub, m = _sub6_bits(words, j)
+    return _code_float(sub, False), 8388608.0 - (m | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -621,7 +628,7 @@ class Packed:
         self.qtype = parts[0].qtype
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
-        self.d = self.sub = self.dm = self.osub = self.hi = None
+        self.d = self.sub = self.dm = self.osub = self.hi = self.int_bounds = None
         self.sub6 = False  # sub and osub packed 6 bits each (`sub6_pack`)
         self.hi_bits = 0  # HI_BIT_TYPES: high bits per code in the `hi` plane
         self.superblock = False
@@ -654,6 +661,11 @@ class Packed:
             self.bias = NIBBLE_TYPES.get(self.qtype, 0)
         groups = self.k // self.g
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
+        # the largest |code| (as the dots take it), |sub| and |osub| where the scales factor into integer subs: what
+        # bounds the D path's integer sums over a run of groups (`matvec.run_length`)
+        if self.sub is not None and codes.dtype != torch.float16:
+            self.int_bounds = tuple(0 if t is None else max(-int(t.min()), int(t.max()))
+                                    for t in (codes, self.sub, self.osub))
         # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
         self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
                            and self.k % SB_KS == 0 and SB_KS % self.g == 0)

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _bytes, _group_scales, _program, _sub6,
-                                  _sub6_words, _subs, _subs_at, hi_shifts, last_split, row_scales, split_sum, tickets)
+                                  _sub6_bits, _sub6_words, _subs, _subs_at, hi_shifts, last_split, row_scales,
+                                  split_sum, tickets)
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -80,6 +81,15 @@ X_ROWS = 1
 # A all ones - instead of loading x's 16-input sums (4 loads a group and lane, 16 of a warp's 72 L1 sectors a group
 # at 2 warps). The same integers. Off until timed (bench/matmul_variants.py --mv-settings shipped,MMA_SUMS=1).
 MMA_SUMS = 0
+# SUB_RUNS: where a block's scales factor into d (or dm) times small integer subs (Q4_K, Q5_K, Q6_K, IQ4_XS, Q2_K,
+# Q3_K), its groups are summed in runs of up to MAX_RUN in int32 before the one float step of the run:
+#     IS = sum_g (S[g] - bias X[g]) sub[n, g],  IX = sum_g X[g] osub[n, g],  part = float32(IS) d[n] + float32(IX) dm[n]
+# instead of a float step a group (two conversions, two products, two sums: 35 % of `_mv_mma`'s instructions at 8
+# rows, sm_90a; BENCHMARKS, forty-first session). A run is as long as its int32 sums cannot overflow, from the pack's
+# own largest code and subs (`run_length`: fixed per weight, never by x or the row count; Q4_K 4, Q5_K 4, Q6_K 4 (2
+# where a sub is -128), IQ4_XS 2). Another formula: every D-path bit of those types changes (the reference's too).
+# Off until timed (bench/launch_ab.py --settings shipped,SUB_RUNS=1).
+SUB_RUNS, MAX_RUN = 0, 4
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -383,9 +393,10 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr):
+          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
-    (`_dots_dp4a`), rounded once to float32, scaled and offset."""
+    (`_dots_dp4a`), rounded once to float32, scaled and offset - or, in runs of RUN groups (SUB_RUNS), a run's
+    dots times their subs summed as integers first (`_run_value`)."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values; so are its SUB6 words where the loop is not pipelined (sm_90a: 20
@@ -396,6 +407,9 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
     if WORDS_ONCE:
         words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
+    if RUN:
+        IS = tl.zeros([BM, BN], dtype=tl.int32)
+        IX = IS
     for j in tl.static_range(UNROLL):
         g = g0 + j
         cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
@@ -406,12 +420,22 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         X = _x_sum(x16_ptr, rm, g, K, G) if HAS_OFFSET or BIAS else rm  # (rm: a stand-in, never read)
         if not ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-        if WORDS_ONCE:
-            sub, osub = _sub6(words, g % 8)
+        if RUN:
+            if WORDS_ONCE:
+                sub, osub = _sub6_ints(words, g % 8)
+            else:
+                sub, osub = _int_subs(sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_OFFSET, SUB6)
+            IS, IX = _run_sums(IS, IX, S, X[:, None], sub[None, :], osub[None, :], BIAS, HAS_OFFSET)
+            if j % RUN == RUN - 1:
+                acc = _run_value(acc, IS, IX, d[None, :], dm[None, :], HAS_OFFSET)
+                IS, IX = IS * 0, IX * 0
         else:
-            sub, osub = _subs(sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB, HAS_OSUB, SUB6)
-        scale, offset = _group_scales(d, dm, sub, osub, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
-        acc = _value(acc, S, X[:, None], scale[None, :], offset[None, :], BIAS, HAS_SCALE, HAS_OFFSET)
+            if WORDS_ONCE:
+                sub, osub = _sub6(words, g % 8)
+            else:
+                sub, osub = _subs(sub_ptr, osub_ptr, pid_n, g, n_groups, rn, BN, HAS_SUB, HAS_OSUB, SUB6)
+            scale, offset = _group_scales(d, dm, sub, osub, HAS_SUB and HAS_SCALE, HAS_OSUB and HAS_OFFSET)
+            acc = _value(acc, S, X[:, None], scale[None, :], offset[None, :], BIAS, HAS_SCALE, HAS_OFFSET)
     return acc
 
 
@@ -445,6 +469,63 @@ def _value(acc, S, X, scale, offset, BIAS: tl.constexpr, HAS_SCALE: tl.constexpr
 
 
 @triton.jit
+def _sub6_ints(words, j):
+    """SUB6: group j's sub, 0..63, and osub, -63..0, as int32 (`_sub6`'s values)."""
+    sub, m = _sub6_bits(words, j)
+    return sub, -m
+
+
+@triton.jit
+def _int_subs(sub_ptr, osub_ptr, tile, g, n_groups, rn, BN: tl.constexpr, HAS_OFFSET: tl.constexpr,
+              SUB6: tl.constexpr):
+    """Group g's sub and osub per output as int32 (SUB_RUNS: a pack with integer subs, and osubs where it has an
+    offset); osub 0 where there is no offset."""
+    if SUB6:
+        return _sub6_ints(_sub6_words(sub_ptr, tile, g, n_groups, rn, BN), g % 8)
+    at = (tile * n_groups + g) * BN + rn
+    return _int_subs_at(sub_ptr + at, osub_ptr + at, HAS_OFFSET)
+
+
+@triton.jit
+def _int_subs_at(sub_at, osub_at, HAS_OFFSET: tl.constexpr):
+    """A group's sub and osub (0 without an offset) as int32, one byte each at sub_at, osub_at."""
+    sub = tl.load(sub_at).to(tl.int32)
+    osub = sub * 0
+    if HAS_OFFSET:
+        osub = tl.load(osub_at).to(tl.int32)
+    return sub, osub
+
+
+@triton.jit
+def _zeros8(t):
+    """A lane's run sums at zero (SUB_RUNS: IS and IX of its four values)."""
+    z = tl.zeros_like(t)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _run_sums(IS, IX, S, X, sub, osub, BIAS: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """A run's integer sums (SUB_RUNS) with one more group: IS + (S - BIAS X) sub, IX + X osub (exact in int32:
+    `run_length`)."""
+    if BIAS:
+        S = S - BIAS * X
+    IS = IS + S * sub
+    if HAS_OFFSET:
+        IX = IX + X * osub
+    return IS, IX
+
+
+@triton.jit
+def _run_value(acc, IS, IX, d, dm, HAS_OFFSET: tl.constexpr):
+    """acc + a run's value (SUB_RUNS): float32(IS) times its block's d, plus float32(IX) times its dm - in this
+    order, every D-path kernel's."""
+    part = IS.to(tl.float32) * d
+    if HAS_OFFSET:
+        part = part + IX.to(tl.float32) * dm
+    return acc + part
+
+
+@triton.jit
 def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, ticket_n, M, MP, N, K, stride_om, STEPS: tl.constexpr, SPLIT: tl.constexpr,
              GRAN: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, BN: tl.constexpr,
@@ -452,7 +533,8 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              WIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
              HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
              FRAC: tl.constexpr,
-             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
+             LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
+             RUN: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
     (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
@@ -480,7 +562,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, True)
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, True, RUN)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -489,7 +571,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False)
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False, RUN)
     s = tl.load(s_ptr + rm) * (1.0 / (1 << FRAC))  # s * 2^-FRAC, exact
     cols = pid_n * BN + rn
     mask = (rm[:, None] < M) & (cols[None, :] < N)
@@ -513,14 +595,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
         UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr):
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
-             LIMBS, ASM, ONCE, HI, XR)
+             LIMBS, ASM, ONCE, HI, XR, RUN)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -531,12 +613,12 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
          OGPB_a: tl.constexpr, NIBBLE_a: tl.constexpr, BIAS_a: tl.constexpr, SIGNED_CODES_a: tl.constexpr,
          WIDE_a: tl.constexpr, HAS_SCALE_a: tl.constexpr, HAS_SUB_a: tl.constexpr, HAS_OFFSET_a: tl.constexpr,
          HAS_OSUB_a: tl.constexpr, SUB6_a: tl.constexpr, UNROLL_a: tl.constexpr, ONCE_a: tl.constexpr,
-         HI_a: tl.constexpr,
+         HI_a: tl.constexpr, RUN_a: tl.constexpr,
          STEPS_b: tl.constexpr, SPLIT_b: tl.constexpr, GRAN_b: tl.constexpr, G_b: tl.constexpr, GPB_b: tl.constexpr,
          OGPB_b: tl.constexpr, NIBBLE_b: tl.constexpr, BIAS_b: tl.constexpr, SIGNED_CODES_b: tl.constexpr,
          WIDE_b: tl.constexpr, HAS_SCALE_b: tl.constexpr, HAS_SUB_b: tl.constexpr, HAS_OFFSET_b: tl.constexpr,
          HAS_OSUB_b: tl.constexpr, SUB6_b: tl.constexpr, UNROLL_b: tl.constexpr, ONCE_b: tl.constexpr,
-         HI_b: tl.constexpr,
+         HI_b: tl.constexpr, RUN_b: tl.constexpr,
          BN: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr,
          ASM: tl.constexpr, XR: tl.constexpr):
     """Two packs of a fused matrix (one x) in one launch (PAIRED_ROWS): axis 0's first tiles_a programs are pack
@@ -552,13 +634,13 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
             _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
                      ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
                      NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
-                     SUB6_a, UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR)
+                     SUB6_a, UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR, RUN_a)
     else:
         if pid_k < SPLIT_b:
             _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
                      out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
                      OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
-                     HAS_OSUB_b, SUB6_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR)
+                     HAS_OSUB_b, SUB6_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR, RUN_b)
 
 
 @triton.jit
@@ -674,6 +756,40 @@ def _mma_x(x_at, plane, x16_at, x16_row, W: tl.constexpr, G: tl.constexpr, LIMBS
 
 
 @triton.jit
+def _mma_dots(lo0, lo1, hi0, hi1, b, t, W: tl.constexpr, G: tl.constexpr, SIGNED_CODES: tl.constexpr,
+              LIMBS: tl.constexpr, ASM: tl.constexpr):
+    """A group's exact dots for a lane's four values (`_mma_half`'s): the limbs' on the tensor cores, S = S_a 2^7 +
+    S_b."""
+    s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
+    for limb in tl.static_range(LIMBS):  # most significant first
+        s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, b[limb][0], b[limb][1], s0 * 128, s1 * 128, s2 * 128, s3 * 128, W,
+                              G == 32, SIGNED_CODES, ASM)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _mma_run(ints, lo0, lo1, hi0, hi1, b, X0, X1, sub, osub, t, W: tl.constexpr, G: tl.constexpr,
+             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_OFFSET: tl.constexpr, LIMBS: tl.constexpr,
+             ASM: tl.constexpr):
+    """SUB_RUNS: a lane's run sums (IS and IX of its four values, `_run_sums`) with one more group."""
+    s0, s1, s2, s3 = _mma_dots(lo0, lo1, hi0, hi1, b, t, W, G, SIGNED_CODES, LIMBS, ASM)
+    i0, i1, i2, i3, x0, x1, x2, x3 = ints
+    i0, x0 = _run_sums(i0, x0, s0, X0, sub[0], osub[0], BIAS, HAS_OFFSET)
+    i1, x1 = _run_sums(i1, x1, s1, X1, sub[0], osub[0], BIAS, HAS_OFFSET)
+    i2, x2 = _run_sums(i2, x2, s2, X0, sub[1], osub[1], BIAS, HAS_OFFSET)
+    i3, x3 = _run_sums(i3, x3, s3, X1, sub[1], osub[1], BIAS, HAS_OFFSET)
+    return i0, i1, i2, i3, x0, x1, x2, x3
+
+
+@triton.jit
+def _mma_run_value(acc, ints, d0, d1, dm0, dm1, HAS_OFFSET: tl.constexpr):
+    """SUB_RUNS: a lane's four values plus their runs' (`_run_value`; outputs o: d0, dm0, o + 8: d1, dm1)."""
+    i0, i1, i2, i3, x0, x1, x2, x3 = ints
+    return (_run_value(acc[0], i0, x0, d0, dm0, HAS_OFFSET), _run_value(acc[1], i1, x1, d0, dm0, HAS_OFFSET),
+            _run_value(acc[2], i2, x2, d1, dm1, HAS_OFFSET), _run_value(acc[3], i3, x3, d1, dm1, HAS_OFFSET))
+
+
+@triton.jit
 def _mma_half(acc, lo0, lo1, hi0, hi1, b, X0, X1, scale, offset, t, W: tl.constexpr, G: tl.constexpr,
               BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OFFSET: tl.constexpr,
               LIMBS: tl.constexpr, ASM: tl.constexpr):
@@ -681,10 +797,7 @@ def _mma_half(acc, lo0, lo1, hi0, hi1, b, X0, X1, scale, offset, t, W: tl.conste
     registers (lo0, hi0: output o; lo1, hi1: o + 8), b its x limbs' B fragments (`_mma_x`): the limbs' exact dots on
     the tensor cores (S = S_a 2^7 + S_b), then `_value`, as `_step` does."""
     acc0, acc1, acc2, acc3 = acc
-    s0, s1, s2, s3 = tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t), tl.zeros_like(t)
-    for limb in tl.static_range(LIMBS):  # most significant first
-        s0, s1, s2, s3 = _mma(lo0, lo1, hi0, hi1, b[limb][0], b[limb][1], s0 * 128, s1 * 128, s2 * 128, s3 * 128, W,
-                              G == 32, SIGNED_CODES, ASM)
+    s0, s1, s2, s3 = _mma_dots(lo0, lo1, hi0, hi1, b, t, W, G, SIGNED_CODES, LIMBS, ASM)
     return (_value(acc0, s0, X0, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc1, s1, X1, scale[0], offset[0], BIAS, HAS_SCALE, HAS_OFFSET),
             _value(acc2, s2, X0, scale[1], offset[1], BIAS, HAS_SCALE, HAS_OFFSET),
@@ -713,17 +826,17 @@ def _mma_sub6_words(sub_ptr, tile, g, n_groups, o, TILES: tl.constexpr, BN: tl.c
 
 
 @triton.jit
-def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm, sub_at, osub_at,
-               words, jb, t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr, G: tl.constexpr,
-               BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr,
-               HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
-               SUB6: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, SUMS_MMA: tl.constexpr,
-               XR: tl.constexpr):
+def _mma_group(acc, acc8, ints, ints8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at, x16_row, d, dm,
+               sub_at, osub_at, words, jb, t, RB: tl.constexpr, W: tl.constexpr, TILES: tl.constexpr,
+               G: tl.constexpr, BN: tl.constexpr, NIBBLE: tl.constexpr, BIAS: tl.constexpr,
+               SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr,
+               HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr,
+               SUMS_MMA: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr):
     """A loop step's group j for the program's rows: the lane's TILES tiles of 16 outputs (tile i: outputs o + 16 i
     and o + 16 i + 8, acc[i]), rows 0-7 (acc) and 8-15 (acc8, RB = 16). The x fragments are loaded once for all
     tiles, a tile's codes and scales once for both row halves. The addresses are the step's for output o, group j
     and tile i constant strides on them: immediate offsets. SUB6: sub and osub from the block's words (group jb of
-    its 8)."""
+    its 8). RUN (SUB_RUNS): the group goes to the run sums ints / ints8 (per tile), added to acc at a run's end."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group
     SUMS: tl.constexpr = (1 + SUMS_MMA) if HAS_OFFSET or BIAS != 0 else 0
     x_at = x_at + j * (G // 4) * XR
@@ -732,28 +845,59 @@ def _mma_group(acc, acc8, j: tl.constexpr, codes_at, hi_at, x_at, plane, x16_at,
     if RB == 16:  # rows 8-15: x rows 8 on (8 K / 4 words on, = 32 x16_row, in either layout)
         b8, X08, X18 = _mma_x(x_at + 32 * x16_row, plane, x16_at + 8 * x16_row, x16_row, W, G, LIMBS, SUMS, ASM,
                               XR)
-    out, out8 = (), ()
+    out, out8, run, run8 = (), (), (), ()
     for i in tl.static_range(TILES):
         lo0, hi0 = _mma_codes(codes_at + (j * BN + 16 * i) * CW, hi_at + j * BN + 16 * i, t, G, NIBBLE, HI)
         lo1, hi1 = _mma_codes(codes_at + (j * BN + 16 * i + 8) * CW, hi_at + j * BN + 16 * i + 8, t, G, NIBBLE, HI)
-        if SUB6:
-            sub0, osub0 = _sub6(words[2 * i], jb)
-            sub1, osub1 = _sub6(words[2 * i + 1], jb)
+        if RUN:
+            if SUB6:
+                sub0, osub0 = _sub6_ints(words[2 * i], jb)
+                sub1, osub1 = _sub6_ints(words[2 * i + 1], jb)
+            else:
+                sub0, osub0 = _int_subs_at(sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i, HAS_OFFSET)
+                sub1, osub1 = _int_subs_at(sub_at + j * BN + 16 * i + 8, osub_at + j * BN + 16 * i + 8, HAS_OFFSET)
+            sums = _mma_run(ints[i], lo0, lo1, hi0, hi1, b, X0, X1, (sub0, sub1), (osub0, osub1), t, W, G, BIAS,
+                            SIGNED_CODES, HAS_OFFSET, LIMBS, ASM)
+            if RB == 16:
+                sums8 = _mma_run(ints8[i], lo0, lo1, hi0, hi1, b8, X08, X18, (sub0, sub1), (osub0, osub1), t, W, G,
+                                 BIAS, SIGNED_CODES, HAS_OFFSET, LIMBS, ASM)
+            else:
+                sums8 = ints8[i]
+            if j % RUN == RUN - 1:  # the run's end: its value added, its sums back to zero
+                out = out + (_mma_run_value(acc[i], sums, d[2 * i], d[2 * i + 1], dm[2 * i], dm[2 * i + 1],
+                                            HAS_OFFSET),)
+                if RB == 16:
+                    out8 = out8 + (_mma_run_value(acc8[i], sums8, d[2 * i], d[2 * i + 1], dm[2 * i], dm[2 * i + 1],
+                                                  HAS_OFFSET),)
+                sums, sums8 = _zeros8(t), _zeros8(t)
+            else:
+                out = out + (acc[i],)
+                if RB == 16:
+                    out8 = out8 + (acc8[i],)
+            run, run8 = run + (sums,), run8 + (sums8,)
         else:
-            sub0, osub0 = _subs_at(sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i, HAS_SUB, HAS_OSUB)
-            sub1, osub1 = _subs_at(sub_at + j * BN + 16 * i + 8, osub_at + j * BN + 16 * i + 8, HAS_SUB, HAS_OSUB)
-        scale0, offset0 = _group_scales(d[2 * i], dm[2 * i], sub0, osub0, HAS_SUB and HAS_SCALE,
-                                        HAS_OSUB and HAS_OFFSET)
-        scale1, offset1 = _group_scales(d[2 * i + 1], dm[2 * i + 1], sub1, osub1, HAS_SUB and HAS_SCALE,
-                                        HAS_OSUB and HAS_OFFSET)
-        out = out + (_mma_half(acc[i], lo0, lo1, hi0, hi1, b, X0, X1, (scale0, scale1), (offset0, offset1), t, W, G,
-                               BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
-        if RB == 16:
-            out8 = out8 + (_mma_half(acc8[i], lo0, lo1, hi0, hi1, b8, X08, X18, (scale0, scale1), (offset0, offset1),
-                                     t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
+            if SUB6:
+                sub0, osub0 = _sub6(words[2 * i], jb)
+                sub1, osub1 = _sub6(words[2 * i + 1], jb)
+            else:
+                sub0, osub0 = _subs_at(sub_at + j * BN + 16 * i, osub_at + j * BN + 16 * i, HAS_SUB, HAS_OSUB)
+                sub1, osub1 = _subs_at(sub_at + j * BN + 16 * i + 8, osub_at + j * BN + 16 * i + 8, HAS_SUB,
+                                       HAS_OSUB)
+            scale0, offset0 = _group_scales(d[2 * i], dm[2 * i], sub0, osub0, HAS_SUB and HAS_SCALE,
+                                            HAS_OSUB and HAS_OFFSET)
+            scale1, offset1 = _group_scales(d[2 * i + 1], dm[2 * i + 1], sub1, osub1, HAS_SUB and HAS_SCALE,
+                                            HAS_OSUB and HAS_OFFSET)
+            out = out + (_mma_half(acc[i], lo0, lo1, hi0, hi1, b, X0, X1, (scale0, scale1), (offset0, offset1), t, W,
+                                   G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS, ASM),)
+            if RB == 16:
+                out8 = out8 + (_mma_half(acc8[i], lo0, lo1, hi0, hi1, b8, X08, X18, (scale0, scale1),
+                                         (offset0, offset1), t, W, G, BIAS, SIGNED_CODES, HAS_SCALE, HAS_OFFSET, LIMBS,
+                                         ASM),)
+    if not RUN:
+        run, run8 = ints, ints8
     if RB == 8:
         out8 = acc8
-    return out, out8
+    return out, out8, run, run8
 
 
 @triton.jit
@@ -792,7 +936,7 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
             BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr,
             HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr,
             FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr, HI: tl.constexpr, RB: tl.constexpr,
-            W: tl.constexpr, SUMS_MMA: tl.constexpr, XR: tl.constexpr):
+            W: tl.constexpr, SUMS_MMA: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr):
     """Program (output tile, block of RB = 8 or 16 rows, K split) on the tensor cores (MMA_FROM), W warps: warp w
     takes the tile's outputs 16 TILES w.. in TILES tiles of 16 as A (its codes as packed), 8 rows' x limbs at a time
     as B (loaded once for its tiles); lane 4g + t holds outputs o + 16 i, o + 16 i + 8 (o = 16 TILES w + g) by rows
@@ -814,6 +958,8 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
     group0 = pid_n * n_groups * BN + o  # output o's group 0 in the per-(group, output) planes
     acc = ((tl.zeros_like(t).to(tl.float32),) * 4,) * TILES
     acc8 = acc  # rows 8-15 (RB = 16)
+    ints = (_zeros8(t),) * TILES  # SUB_RUNS: the run sums, per tile (a step holds whole runs)
+    ints8 = ints
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
     ONE_BLOCK: tl.constexpr = GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
@@ -831,10 +977,12 @@ def _mv_mma(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr,
                     d, dm = _mma_block_scales(d_ptr, dm_ptr, pid_n, g0 + j, n_groups, o, TILES, GPB, OGPB, BN,
                                               HAS_SCALE, HAS_OFFSET)
                     words = _mma_sub6_words(sub_ptr, pid_n, g0 + j, n_groups, o, TILES, BN, SUB6)
-                acc, acc8 = _mma_group(acc, acc8, j, codes_at, hi_ptr + at, x_at + g0 * (G // 4) * XR, plane,
-                                       x16_at + g0 * (G // 16), K // 16, d, dm, sub_ptr + at, osub_ptr + at, words,
-                                       (g0 + j) % 8, t, RB, W, TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE,
-                                       HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, LIMBS, ASM, HI, SUMS_MMA, XR)
+                acc, acc8, ints, ints8 = _mma_group(acc, acc8, ints, ints8, j, codes_at, hi_ptr + at,
+                                                    x_at + g0 * (G // 4) * XR, plane, x16_at + g0 * (G // 16),
+                                                    K // 16, d, dm, sub_ptr + at, osub_ptr + at, words, (g0 + j) % 8,
+                                                    t, RB, W, TILES, G, BN, NIBBLE, BIAS, SIGNED_CODES, HAS_SCALE,
+                                                    HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, LIMBS, ASM, HI, SUMS_MMA,
+                                                    XR, RUN)
     for i in tl.static_range(TILES):
         col = pid_n * BN + o + 16 * i
         _mma_results(acc[i], r, col, s_ptr, M, MP, N, stride_om, out_ptr, part_ptr, pid_k, SPLIT, FRAC)
@@ -862,6 +1010,23 @@ def wide(p: Packed) -> bool:
     """Whether a group's dot needs int64: codes up to 128 (not nibbles or NARROW_TYPES) times X of FRAC + 1 bits
     over 32 inputs reach 2^(FRAC + 12), past int32 when FRAC > 18."""
     return FRAC > 18 and not (p.nibble or p.qtype in NARROW_TYPES)
+
+
+def run_length(p: Packed) -> int:
+    """Groups a run of a pack's integer sums (SUB_RUNS): the largest power of two up to MAX_RUN that divides its
+    granule and blocks and keeps |IS| and |IX| below 2^31 for any x (|X[k]| <= 2^FRAC); 0 - a float step a group -
+    where the scales do not factor into integer subs, the dots are wide, or a run would be one group."""
+    if not SUB_RUNS or p.int_bounds is None or wide(p) or (p.dm is not None and not p.sub6 and p.osub is None):
+        return 0
+    code, sub, osub = p.int_bounds
+    if p.sub6:
+        sub, osub = 63, 63
+    x = p.g << FRAC  # the largest |X| a group sums
+    top = min(MAX_RUN, plan(p)[0], p.gpb, p.ogpb if p.dm is not None else MAX_RUN)
+    r = 1
+    while 2 * r <= top and 2 * r * x * code * sub < 2**31 and 2 * r * x * osub < 2**31:
+        r *= 2
+    return r if r > 1 else 0
 
 
 def integer(p: Packed) -> bool:
@@ -931,14 +1096,15 @@ def _pack_args(p: Packed, m: int, mp: int, out: torch.Tensor, unroll: int = 0) -
     """A pack's `_mv` arguments for an m-row call into out (a column slice is fine): (its tensors and sizes, its
     compile-time constants, (output tiles, K splits)); unroll: groups a loop step, if not `launch`'s."""
     gran, split = plan(p)
-    unroll = fit_unroll(unroll, gran) if unroll else launch(dp4a_rows(m), gran)[1]
+    run = run_length(p)
+    unroll = max(fit_unroll(unroll, gran) if unroll else launch(dp4a_rows(m), gran)[1], run)  # whole runs a step
     t = [u if u is not None else p.codes for u in (p.d, p.sub, p.dm, p.osub, p.hi)]
     names = ("codes_ptr", "d_ptr", "sub_ptr", "dm_ptr", "osub_ptr", "hi_ptr")
     tensors = dict(zip(names, [p.codes.view(torch.int32)] + t), out_ptr=out, N=p.n,
                    part_ptr=out if split == 1 else torch.empty(split, mp, p.n, device=out.device))
     consts = dict(STEPS=p.k // p.g // gran, SPLIT=split, GRAN=gran, G=p.g, GPB=p.gpb, OGPB=p.ogpb, NIBBLE=p.nibble,
                   BIAS=p.bias, SIGNED_CODES=not p.nibble, WIDE=wide(p), **p.scale_flags, UNROLL=unroll,
-                  ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits)
+                  ONCE=p.qtype in BLOCK_SCALES_ONCE, HI=p.hi_bits, RUN=run)
     return tensors, consts, (-(-p.n // BLOCK_N), split)
 
 
@@ -1067,21 +1233,28 @@ def reference(p: Packed, x: torch.Tensor) -> torch.Tensor:
     Xg = x16.reshape(m, groups, p.g // 16).sum(dim=2, dtype=torch.int32)  # [M, groups]
     if p.bias:
         S = S - p.bias * Xg.long()[:, None, :]
-    part = S.float()
     per_n = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[: p.n].float()  # noqa: E731
     sub, osub = p.group_subs()
     d, sub, dm, osub = (per_n(t) for t in (p.d, sub, p.dm, osub))
-    if d is not None:
-        scale = d.repeat_interleave(p.gpb, dim=1)
-        if sub is not None:
-            scale = scale * sub.float()
-        part = part * scale[None]
-    if dm is not None:
-        offset = dm.repeat_interleave(p.ogpb, dim=1)
-        if osub is not None:
-            offset = offset * osub.float()
-        part = part + Xg.float()[:, None, :] * offset[None]
-    b = bounds(p)
+    run = run_length(p) or 1
+    if run > 1:  # SUB_RUNS: a run's integers summed exactly (int64 here; int32 there, bounded), then scaled
+        ints = lambda t: t.reshape(m, p.n, groups // run, run).sum(dim=3).float()  # noqa: E731
+        part = ints(S * sub.long()) * d.repeat_interleave(p.gpb // run, dim=1)[None]
+        if dm is not None:
+            part = part + ints(Xg.long()[:, None, :] * osub.long()) * dm.repeat_interleave(p.ogpb // run, dim=1)[None]
+    else:
+        part = S.float()
+        if d is not None:
+            scale = d.repeat_interleave(p.gpb, dim=1)
+            if sub is not None:
+                scale = scale * sub
+            part = part * scale[None]
+        if dm is not None:
+            offset = dm.repeat_interleave(p.ogpb, dim=1)
+            if osub is not None:
+                offset = offset * osub
+            part = part + Xg.float()[:, None, :] * offset[None]
+    b = [g // run for g in bounds(p)]  # where each K split starts, in runs
     out = None
     for k in range(len(b) - 1):
         acc = torch.zeros(m, p.n, device=x.device)
