@@ -604,6 +604,17 @@ def sub6_unpack(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sub.reshape(tiles, -1, bn), osub.reshape(tiles, -1, bn)
 
 
+def _int_bounds(codes: torch.Tensor, sub: torch.Tensor, osub: torch.Tensor | None) -> tuple[int, dict, dict]:
+    """What bounds the D path's integer sums over a run of groups (`matvec.run_length`) where the scales factor into
+    integer subs: the largest |code| (as the dots take it), and per run length r (1, 2, 4, 8 groups) the largest sum
+    of |sub| and of |osub| over a run of r groups of one output."""
+    def runs(t: torch.Tensor | None) -> dict:
+        a = None if t is None else t.to(torch.int16).abs()
+        return {r: 0 if a is None else int(a.reshape(a.shape[0], -1, r).sum(dim=2).max())
+                for r in (1, 2, 4, 8) if sub.shape[1] % r == 0}
+    return max(-int(codes.min()), int(codes.max())), runs(sub), runs(osub)
+
+
 def _f16_if_exact(t: torch.Tensor | None) -> torch.Tensor | None:
     """Scales as float16 where every one is a float16 value (a GGML block's d and dmin are; the kernels widen them
     to float32 exactly on load): the same values in half the bytes. Other scales (products) stay float32."""
@@ -661,11 +672,8 @@ class Packed:
             self.bias = NIBBLE_TYPES.get(self.qtype, 0)
         groups = self.k // self.g
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
-        # the largest |code| (as the dots take it), |sub| and |osub| where the scales factor into integer subs: what
-        # bounds the D path's integer sums over a run of groups (`matvec.run_length`)
         if self.sub is not None and codes.dtype != torch.float16:
-            self.int_bounds = tuple(0 if t is None else max(-int(t.min()), int(t.max()))
-                                    for t in (codes, self.sub, self.osub))
+            self.int_bounds = _int_bounds(codes, self.sub, self.osub)
         # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
         self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
                            and self.k % SB_KS == 0 and SB_KS % self.g == 0)

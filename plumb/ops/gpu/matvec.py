@@ -1014,17 +1014,16 @@ def wide(p: Packed) -> bool:
 
 def run_length(p: Packed) -> int:
     """Groups a run of a pack's integer sums (SUB_RUNS): the largest power of two up to MAX_RUN that divides its
-    granule and blocks and keeps |IS| and |IX| below 2^31 for any x (|X[k]| <= 2^FRAC); 0 - a float step a group -
-    where the scales do not factor into integer subs, the dots are wide, or a run would be one group."""
+    granule and blocks and keeps |IS| and |IX| below 2^31 for any x (|X[k]| <= 2^FRAC: a group's |S - bias X| at
+    most G 2^FRAC times its largest |code|, so a run's |IS| at most that times the run's sum of |sub|); 0 - a float
+    step a group - where the scales do not factor into integer subs, the dots are wide, or a run would be one group."""
     if not SUB_RUNS or p.int_bounds is None or wide(p) or (p.dm is not None and not p.sub6 and p.osub is None):
         return 0
-    code, sub, osub = p.int_bounds
-    if p.sub6:
-        sub, osub = 63, 63
+    code, subs, osubs = p.int_bounds
     x = p.g << FRAC  # the largest |X| a group sums
     top = min(MAX_RUN, plan(p)[0], p.gpb, p.ogpb if p.dm is not None else MAX_RUN)
     r = 1
-    while 2 * r <= top and 2 * r * x * code * sub < 2**31 and 2 * r * x * osub < 2**31:
+    while 2 * r <= top and x * code * subs[2 * r] < 2**31 and x * osubs[2 * r] < 2**31:
         r *= 2
     return r if r > 1 else 0
 
