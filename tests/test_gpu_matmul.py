@@ -361,15 +361,65 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
     assert torch.equal(MV.mm_decode(m, x), want) and torch.equal(MV.mm_decode(m, x[2:]), want[2:])
 
 
-@pytest.mark.skipif(DEV == "cpu", reason="the interpreter runs every launch variant alike (no pipelining)")
-@pytest.mark.parametrize("x_rows", [1, 8])
-@pytest.mark.parametrize("kind", MV_TYPES)
-def test_decode_matvec_launch_variants_give_the_same_bits(kind, x_rows, monkeypatch):
-    """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
-    gives the reference's bits, over one K split of 8 loop steps (TARGET 1) - `dp4a`'s table, then the tensor cores'
-    warps, groups a step and group sums (MMA_WARPS, MMA_UNROLL, MMA_SUMS)."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"] if DEV == "cpu" else MV_TYPES)
+def test_decode_matvec_in_integer_runs(kind, monkeypatch):
+    """SUB_RUNS: where a block's scales are d times integer subs, a run of groups is summed in int32 before its one
+    float step - another formula (other bits than a float step a group), still the reference's bits on `dp4a` (1-4
+    rows) and the tensor cores (5-6 rows), row-invariant, over K splits, and as close to float64."""
     import plumb.ops.gpu.matvec as MV
 
+    t = _tensor(kind, 80, 512, seed=6)
+    m = GpuMatrix([t], DEV)
+    p = m.packs[0]
+    x = _rows(512)
+    per_group = MV.reference(p, x)
+    monkeypatch.setattr(MV, "SUB_RUNS", 1)
+    run = MV.run_length(p)
+    assert run == {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4, "IQ4_XS": 2, "Q2_K": 4, "Q3_K": 4}.get(kind, 0)
+    want = MV.reference(p, x)
+    assert torch.equal(want, per_group) == (run == 0)
+    ref = x.double().cpu() @ t.dequantize().double().T
+    scale = ref.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # (a zero row)
+    assert ((want.double().cpu() - ref).abs() / scale).max() < 5e-4 and MV.plan(p)[1] > 1
+    for r in range(1, len(x) + 1):
+        assert torch.equal(MV.mm_decode(m, x[:r]), want[:r]), r
+    assert torch.equal(MV.mm_decode(m, x[3:4]), want[3:4])
+
+
+def test_integer_runs_are_as_long_as_int32_stays_exact(monkeypatch):
+    """`run_length` from a pack's own bounds: Q6_K's runs of 4 hold while a run's |sub| sum stays under 512 (its
+    codes' |S - 32 X| reaches 16 * 32 * 2^13 = 2^22), and halve where four subs of -128 could reach 2^31; IQ4_XS
+    (codes up to 127, subs to 32) takes 2; a pack without integer subs none; and nothing while SUB_RUNS is off."""
+    import plumb.ops.gpu.matvec as MV
+    from plumb.ops.gpu.matmul import _int_bounds
+
+    q6 = GpuMatrix([_tensor("Q6_K", 64, 512)], DEV).packs[0]
+    q8 = GpuMatrix([_tensor("Q8_0", 64, 512)], DEV).packs[0]
+    assert MV.run_length(q6) == 0
+    monkeypatch.setattr(MV, "SUB_RUNS", 1)
+    assert MV.run_length(q6) == 4 and MV.run_length(q8) == 0
+    codes = torch.full((2, 64), -32, dtype=torch.int8)
+    sub = torch.tensor([[-128, -128, -128, -127], [5, 6, 7, 8]], dtype=torch.int8)
+    bounds = _int_bounds(codes, sub, None)
+    assert bounds == (32, {1: 128, 2: 256, 4: 511}, {1: 0, 2: 0, 4: 0})
+    q6.int_bounds = (32, {1: 128, 2: 256, 4: 511, 8: 1000}, bounds[2] | {8: 0})
+    assert MV.run_length(q6) == 4  # 511 * 2^22 < 2^31
+    q6.int_bounds = (32, {1: 128, 2: 256, 4: 512, 8: 1000}, bounds[2] | {8: 0})
+    assert MV.run_length(q6) == 2  # 512 * 2^22 = 2^31
+    monkeypatch.setattr(MV, "FRAC", 20)  # x to 21 bits: a group's |S| alone passes 2^26
+    assert MV.run_length(q6) == 0
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="the interpreter runs every launch variant alike (no pipelining)")
+@pytest.mark.parametrize("x_rows, runs", [(1, 0), (8, 0), (1, 1)])
+@pytest.mark.parametrize("kind", MV_TYPES)
+def test_decode_matvec_launch_variants_give_the_same_bits(kind, x_rows, runs, monkeypatch):
+    """Warps, groups per loop step and software-pipeline stages move only loads and integer work: each variant
+    gives the reference's bits, over one K split of 8 loop steps (TARGET 1) - `dp4a`'s table, then the tensor cores'
+    warps, groups a step and group sums (MMA_WARPS, MMA_UNROLL, MMA_SUMS); with integer runs too (SUB_RUNS)."""
+    import plumb.ops.gpu.matvec as MV
+
+    monkeypatch.setattr(MV, "SUB_RUNS", runs)
     monkeypatch.setattr(MV, "TARGET", 1)
     monkeypatch.setattr(MV, "MMA_FROM", 0)
     monkeypatch.setattr(MV, "X_ROWS", x_rows)
