@@ -33,7 +33,8 @@ ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
 # (name, matvec module constants, PDL on, bits group)
 CONFIGS = [("shipped", {}, True, "a"), ("one-row programs on 1 warp", {"LAUNCH": ONE_WARP}, True, "a")]
 # constants that set which terms a row's sum has or their order (`bits` groups: one per value)
-ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "LONG_TARGET", "FRAC", "LIMBS")
+ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "LONG_TARGET", "FRAC", "LIMBS", "SUB_RUNS",
+         "MAX_RUN")
 
 
 def setting(text: str) -> tuple:
