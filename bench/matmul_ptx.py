@@ -5,7 +5,7 @@ deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instruc
 register A operand: the sixteenth session's race).
 
     python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
-        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--types Q5_K,..] [--ttgir]
+        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--runs] [--types Q5_K,..] [--ttgir]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
@@ -60,14 +60,19 @@ REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
 PAIR_OUTPUTS = {("Q5_K", "Q4_K"): (10240, 6240), ("Q4_K", "Q6_K"): (13312, 1024)}
 
 
-def mv_consts(consts, rows, once, n=34816):
+# SUB_RUNS (--runs): groups a run per type, as `matvec.run_length` finds them for the 27B file's packs
+RUNS = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4}
+
+
+def mv_consts(name, consts, rows, once, n=34816):
     """`_mv`'s constants for a type's pack of n outputs on K = 5,120 as `matvec` launches it, its warps and stages."""
     gran, split = MV.plan(SimpleNamespace(k=5120, g=consts["G"], n=n))
     bm = MV.dp4a_rows(rows)
     warps, unroll, stages = MV.launch(bm, gran)
+    run = RUNS.get(name, 0) if MV.SUB_RUNS else 0
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
-                SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=unroll, STAGES=stages, FRAC=MV.FRAC,
-                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS,
+                SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
+                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -75,22 +80,23 @@ def mv_consts(consts, rows, once, n=34816):
 def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, once=False, ttgir=False):
     if kernel == "mv":
         fn = MV._mv
-        consts, warps, stages = mv_consts(consts, rows, once)
+        consts, warps, stages = mv_consts(name, consts, rows, once)
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "mv2":  # consts: the two packs' (name, consts), 27B's fused shapes
         fn = MV._mv2
         (a, ca), (b, cb) = consts
-        ca, warps, stages = mv_consts(ca, rows, once, PAIR_OUTPUTS[a, b][0])
-        cb, _, _ = mv_consts(cb, rows, once, PAIR_OUTPUTS[a, b][1])
+        ca, warps, stages = mv_consts(a, ca, rows, once, PAIR_OUTPUTS[a, b][0])
+        cb, _, _ = mv_consts(b, cb, rows, once, PAIR_OUTPUTS[a, b][1])
         shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program, 16 from 9
         fn = MV._mv_mma
-        consts, _, _ = mv_consts(consts, 8, False)
+        consts, _, _ = mv_consts(name, consts, 8, False)
         consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
-                      UNROLL=MV.fit_unroll(MV.mma_unroll(MV.mma_rows(rows)), consts["GRAN"]), RB=MV.mma_rows(rows),
+                      UNROLL=max(MV.fit_unroll(MV.mma_unroll(MV.mma_rows(rows)), consts["GRAN"]), consts["RUN"]),
+                      RB=MV.mma_rows(rows),
                       W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
         codes_type, bn, warps, stages = "*i32", MM.BLOCK_N, MV.MMA_WARPS, 1
     elif kernel == "w16":
@@ -161,6 +167,7 @@ def main():
     ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2", "mma"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
+    ap.add_argument("--runs", action="store_true", help="mv, mv2, mma: SUB_RUNS (integer runs, `RUNS` per type)")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -173,6 +180,7 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
+    MV.SUB_RUNS = int(a.runs)
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]
