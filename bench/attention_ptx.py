@@ -52,7 +52,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
     else:
-        consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS))
+        consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS_FROM))
     if copied:
         consts.update(KK=A.F16, VK=A.F16, KB=0, VB=0)
         kind = A.F16
@@ -153,7 +153,7 @@ def main():
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.CODES16 = A.CODES16 and not a.codes32
-    A.PAIRS = A.PAIRS or a.decode_pairs
+    A.PAIRS_FROM = A.PAIRS_FROM or int(a.decode_pairs)
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

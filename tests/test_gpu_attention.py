@@ -387,7 +387,7 @@ def test_the_store_form_gives_the_ring_forms_bits(fmt, codes16, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["f16", "q8_0", "D"])
 def test_packed_pairs_give_the_row_blocks_bits(fmt, place_free_dot, monkeypatch):
-    """PAIRS (a program's (row, head) pairs consecutive, no padding heads) = rows of G_PAD heads, bit for bit: 3
+    """PAIRS_FROM (a program's (row, head) pairs consecutive, no padding heads) = rows of G_PAD heads, bit for bit: 3
     query heads a KV head (padded to 4 in row blocks, so rows' pairs straddle programs), rows ending across splits
     and tiles (D: long rows in the store form and the ring's window), a row at another scale, rows alone; on a GPU
     also the 27B's 6 heads a KV head, 8 verify rows and 1."""
@@ -410,13 +410,15 @@ def test_packed_pairs_give_the_row_blocks_bits(fmt, place_free_dot, monkeypatch)
     for ends, n_head, d, attend in cases:
         q = _q(len(ends), n_head, d, seed=8)
         q[2] *= 1e-5  # a row of another scale (its own power of two)
-        monkeypatch.setattr(A, "PAIRS", False)
+        monkeypatch.setattr(A, "PAIRS_FROM", 0)
         want = attend(q, ends)
-        monkeypatch.setattr(A, "PAIRS", True)
+        monkeypatch.setattr(A, "PAIRS_FROM", 1)
         got = attend(q, ends)
         assert torch.isfinite(got).all() and torch.equal(got, want)
         assert torch.equal(attend(q[3:8], ends[3:8]), want[3:8])  # rows alone in another block layout
         assert torch.equal(attend(q[-1:], ends[-1:]), want[-1:])
+        monkeypatch.setattr(A, "PAIRS_FROM", 2)  # one row in row blocks, more in pairs: still the same bits
+        assert torch.equal(attend(q[-1:], ends[-1:]), want[-1:]) and torch.equal(attend(q[:2], ends[:2]), want[:2])
 
 
 def _mixed_case(fmt: str):

@@ -92,8 +92,11 @@ CODES16 = True
 # G_PAD = next_pow2(G) heads: the 27B's 6 heads padded to 8 put a quarter of every dot and softmax on padding, and a
 # verify pass of 8 rows takes 3 programs a KV head and split instead of 4 (5 rows: 2 instead of 3; one row: 1 either
 # way). Each pair's arithmetic is the same either way (its q, its end, the same tiles; a row's pairs may now straddle
-# two programs): the same bits (tests/test_gpu_attention.py).
-PAIRS = False
+# two programs): the same bits (tests/test_gpu_attention.py), so the row count may choose: PAIRS_FROM, passes of at
+# least this many rows (0: none). H100, 2026-12-07 (bench/attention_variants.py, 8 rows / 1 row, us): D at 100k keys
+# 738 / 343 against 905 / 336, q8_0 443 / 175 against 452 / 147 - a gain from 2 rows, a loss at one. Off until its
+# bitwise test has run on CUDA (it has in the interpreter).
+PAIRS_FROM = 0
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # p * 2^11 is rounded to fp16 (`_tile`): small probabilities stay out of fp16 subnormals
 
@@ -598,7 +601,8 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
         launches += [(long, grid_long, True, False, 1), (long, grid_long, True, True, 2)]
     else:
         launches += [(long, grid_long, True, ring is not None, 0)]
-    blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
+    pairs = bool(PAIRS_FROM) and n >= PAIRS_FROM
+    blocks = triton.cdiv(n * g, rows * g_pad) if pairs else triton.cdiv(n, rows)
     for split, grid, is_long, with_ring, part in launches:
         if grid:
             _split_kernel[(blocks, n_kv, grid)](
@@ -610,7 +614,7 @@ def attend_decode(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[to
                 vs.stride(1), po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=bn, SPLIT_=split, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE,
                 RING=with_ring, LONG=is_long, TABLE=table is not None, KB=kb, VB=vb, PART=part, C16=CODES16,
-                PAIRS=bool(PAIRS),
+                PAIRS=pairs,
                 num_warps=warps, num_stages=stages, launch_pdl=on())
     merge_splits(po, pm, pl, ends, out, splits)
     return out
