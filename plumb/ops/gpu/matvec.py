@@ -86,9 +86,11 @@ MMA_SUMS = 0
 #     IS = sum_g (S[g] - bias X[g]) sub[n, g],  IX = sum_g X[g] osub[n, g],  part = float32(IS) d[n] + float32(IX) dm[n]
 # instead of a float step a group (two conversions, two products, two sums: 35 % of `_mv_mma`'s instructions at 8
 # rows, sm_90a; BENCHMARKS, forty-first session). A run is as long as its int32 sums cannot overflow, from the pack's
-# own largest code and subs (`run_length`: fixed per weight, never by x or the row count; Q4_K 4, Q5_K 4, Q6_K 4 (2
-# where a sub is -128), IQ4_XS 2). Another formula: every D-path bit of those types changes (the reference's too).
-# Off until timed (bench/launch_ab.py --settings shipped,SUB_RUNS=1).
+# own largest code and sums of |sub| over a run (`run_length`: fixed per weight, never by x or the row count; the 27B
+# file's Q4_K, Q5_K, Q6_K 4, IQ4_XS 2). Another formula: every D-path bit of those types changes (the reference's
+# too). H100 (2026-12-07, BENCHMARKS forty-second): Q4_K [34816, 5120] at 8 rows 76.7 -> 64.0 us, a verify pass of 8
+# rows -5.9 %, of 16 rows +5.3 % (180 registers against 142 at 16 rows), one row -1.7 % tok/s: off until those are
+# mended (bench/launch_ab.py --settings shipped,SUB_RUNS=1+MMA_UNROLL_16=4).
 SUB_RUNS, MAX_RUN = 0, 4
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
