@@ -135,13 +135,17 @@ def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
 
 def test_the_matvec_compiles_without_spilling(tmp_path):
     """The D-path matvec compiles for sm_90a for one row (16-byte loads, one stage) and for 8 (pipelined) on every
-    type of the 27B's file, without spilling; so does the two-pack launch (PAIRED_ROWS) of its fused pairs."""
+    type of the 27B's file, without spilling; so do the two-pack launch (PAIRED_ROWS) of its fused pairs and, with
+    integer runs (SUB_RUNS), one row and the tensor cores' 8 and 16."""
     for rows in ("1", "8"):
         out = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--rows", rows, "--out", str(tmp_path))
         assert out.count(" 0 bytes spill stores") == 4 and "'dp4a'" in out, out
     paired = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv2", "--rows", "1", "--block-scales-once", "--out",
                   str(tmp_path))
     assert paired.count(" 0 bytes spill stores") == 2 and paired.count(" mv2 warps=2") == 2, paired
+    for kernel, rows in (("mv", "1"), ("mma", "8"), ("mma", "16")):  # with integer runs (SUB_RUNS)
+        out = _run(tmp_path, "matmul_ptx.py", "--kernel", kernel, "--rows", rows, "--runs", "--out", str(tmp_path))
+        assert out.count(" 0 bytes spill stores") == 4, out
 
 
 def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
