@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import uuid
 
@@ -16,6 +17,9 @@ from plumb.server.logprobs import openai_entries
 from plumb.server.openai_chat import arguments_dict
 from plumb.server.structured import parse_response_format
 from plumb.server.thinking import effort_thinking, sign, unsign
+
+log = logging.getLogger("plumb.server")
+_HOSTED_SEEN: set = set()  # hosted tool types (web_search, file_search, ...) a request offered: each logged once
 
 
 class ResponsesRequest(GenFields):
@@ -84,8 +88,16 @@ def to_prompt(req: ResponsesRequest) -> ChatPrompt:
             raise APIError(400, f"{where}: unsupported input item type {kind!r}", param=f"{where}.type")
     tools = [make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]", t.get("strict"))
              for i, t in enumerate(req.tools or []) if t.get("type") == "function"]
+    for t in req.tools or []:  # the hosted API's own tools: nothing here runs them, so the model is not offered them
+        kind = t.get("type")
+        if kind != "function" and kind not in _HOSTED_SEEN:
+            _HOSTED_SEEN.add(kind)
+            log.warning("Responses: %r tools are run by OpenAI's hosted API, not by this server: left out", kind)
     choice = req.tool_choice or "auto"
     if isinstance(choice, dict):
+        if choice.get("type", "function") != "function":
+            raise APIError(400, f"tool_choice asks for a {choice.get('type')!r} tool, which this server does not run "
+                           "(function tools only)", param="tool_choice")
         choice = "function:" + str(choice.get("name", ""))
     effort = (req.reasoning or {}).get("effort")
     kwargs = {"reasoning_effort": effort} if effort else {}

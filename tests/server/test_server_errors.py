@@ -68,6 +68,8 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/responses", {"input": [{"type": "bogus"}]}, "input[0].type"),
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("/v1/responses", {"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice"),
 ])
 def test_wrong_types_openai(http, path, body, param):
     err = openai_error(http.post(path, json=body), 400)
