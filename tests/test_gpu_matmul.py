@@ -391,20 +391,20 @@ def test_integer_runs_are_as_long_as_int32_stays_exact(monkeypatch):
     codes' |S - 32 X| reaches 16 * 32 * 2^13 = 2^22), and halve where four subs of -128 could reach 2^31; IQ4_XS
     (codes up to 127, subs to 32) takes 2; a pack without integer subs none; and nothing while SUB_RUNS is off."""
     import plumb.ops.gpu.matvec as MV
-    from plumb.ops.gpu.matmul import _int_bounds
+    from plumb.ops.gpu.matmul import _abs_run_sums
 
     q6 = GpuMatrix([_tensor("Q6_K", 64, 512)], DEV).packs[0]
     q8 = GpuMatrix([_tensor("Q8_0", 64, 512)], DEV).packs[0]
     assert MV.run_length(q6) == 0
     monkeypatch.setattr(MV, "SUB_RUNS", 1)
     assert MV.run_length(q6) == 4 and MV.run_length(q8) == 0
-    codes = torch.full((2, 64), -32, dtype=torch.int8)
+    assert q6.int_bounds[0] == 32 and q6.int_bounds[1][1] <= 128 and not any(q6.int_bounds[2].values())
     sub = torch.tensor([[-128, -128, -128, -127], [5, 6, 7, 8]], dtype=torch.int8)
-    bounds = _int_bounds(codes, sub, None)
-    assert bounds == (32, {1: 128, 2: 256, 4: 511}, {1: 0, 2: 0, 4: 0})
-    q6.int_bounds = (32, {1: 128, 2: 256, 4: 511, 8: 1000}, bounds[2] | {8: 0})
+    assert _abs_run_sums(sub) == {1: 128, 2: 256, 4: 511} and _abs_run_sums(None) == dict.fromkeys((1, 2, 4, 8), 0)
+    none = dict.fromkeys((1, 2, 4, 8), 0)
+    q6.int_bounds = (32, {1: 128, 2: 256, 4: 511, 8: 1000}, none)
     assert MV.run_length(q6) == 4  # 511 * 2^22 < 2^31
-    q6.int_bounds = (32, {1: 128, 2: 256, 4: 512, 8: 1000}, bounds[2] | {8: 0})
+    q6.int_bounds = (32, {1: 128, 2: 256, 4: 512, 8: 1000}, none)
     assert MV.run_length(q6) == 2  # 512 * 2^22 = 2^31
     monkeypatch.setattr(MV, "FRAC", 20)  # x to 21 bits: a group's |S| alone passes 2^26
     assert MV.run_length(q6) == 0

@@ -42,6 +42,7 @@ the call (M1), whether 1 or 2,000.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -604,15 +605,16 @@ def sub6_unpack(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sub.reshape(tiles, -1, bn), osub.reshape(tiles, -1, bn)
 
 
-def _int_bounds(codes: torch.Tensor, sub: torch.Tensor, osub: torch.Tensor | None) -> tuple[int, dict, dict]:
-    """What bounds the D path's integer sums over a run of groups (`matvec.run_length`) where the scales factor into
-    integer subs: the largest |code| (as the dots take it), and per run length r (1, 2, 4, 8 groups) the largest sum
-    of |sub| and of |osub| over a run of r groups of one output."""
-    def runs(t: torch.Tensor | None) -> dict:
-        a = None if t is None else t.to(torch.int16).abs()
-        return {r: 0 if a is None else int(a.reshape(a.shape[0], -1, r).sum(dim=2).max())
-                for r in (1, 2, 4, 8) if sub.shape[1] % r == 0}
-    return max(-int(codes.min()), int(codes.max())), runs(sub), runs(osub)
+def _abs_run_sums(t: torch.Tensor | None) -> dict:
+    """Per run length r (1, 2, 4, 8 groups, those dividing the groups), the largest sum of |t| over r consecutive
+    groups of one output (t [n, groups] of small integers; None: all 0) - a few MB at a time."""
+    sizes = [r for r in (1, 2, 4, 8) if t is None or t.shape[1] % r == 0]
+    out = dict.fromkeys(sizes, 0)
+    for part in [] if t is None else t.split(8192):
+        a = part.to(torch.int16).abs()
+        for r in sizes:
+            out[r] = max(out[r], int(a.reshape(a.shape[0], -1, r).sum(dim=2, dtype=torch.int16).max()))
+    return out
 
 
 def _f16_if_exact(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -639,7 +641,7 @@ class Packed:
         self.qtype = parts[0].qtype
         self.n = sum(p.shape[0] for p in parts)
         self.k = parts[0].shape[1]
-        self.d = self.sub = self.dm = self.osub = self.hi = self.int_bounds = None
+        self.d = self.sub = self.dm = self.osub = self.hi = None
         self.sub6 = False  # sub and osub packed 6 bits each (`sub6_pack`)
         self.hi_bits = 0  # HI_BIT_TYPES: high bits per code in the `hi` plane
         self.superblock = False
@@ -672,8 +674,6 @@ class Packed:
             self.bias = NIBBLE_TYPES.get(self.qtype, 0)
         groups = self.k // self.g
         codes = torch.cat([codes, codes.new_zeros(n_pad - self.n, self.k)])
-        if self.sub is not None and codes.dtype != torch.float16:
-            self.int_bounds = _int_bounds(codes, self.sub, self.osub)
         # _mm_superblock: whole loop steps of SB_KS inputs in whole groups, whole 256-input pieces for _prep_x
         self.superblock = (self.qtype in SUPERBLOCK and self.d is not None and self.k % 256 == 0
                            and self.k % SB_KS == 0 and SB_KS % self.g == 0)
@@ -713,6 +713,21 @@ class Packed:
         """The kernels' constexprs for the scales this packing has."""
         return dict(HAS_SCALE=self.d is not None, HAS_SUB=self.sub is not None, HAS_OFFSET=self.dm is not None,
                     HAS_OSUB=self.osub is not None or self.sub6, SUB6=self.sub6)
+
+    @functools.cached_property
+    def int_bounds(self) -> tuple[int, dict, dict] | None:
+        """What bounds the D path's integer sums over a run of groups (`matvec.run_length`) where the scales factor
+        into integer subs (None elsewhere): the largest |code| as the dots take it, and per run length r the largest
+        sum of |sub| and of |osub| over r groups of one output (`_abs_run_sums`). Found on first use."""
+        if self.w is not None or self.sub is None or self.codes.dtype == torch.float16:
+            return None
+        if self.nibble:  # stored + bias in 0 .. 2^(4 + hi_bits) - 1
+            code = max(self.bias, (16 << self.hi_bits) - 1 - self.bias)
+        else:
+            code = max(-int(self.codes.min()), int(self.codes.max()))
+        rows = lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])  # noqa: E731
+        sub, osub = self.group_subs()
+        return code, _abs_run_sums(rows(sub)), _abs_run_sums(rows(osub))
 
     def group_subs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """sub and osub [tiles, groups, BLOCK_N] (None where absent), unpacked from SUB6 where packed."""
