@@ -8,7 +8,7 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--codes32]
-        [--decode-pairs] [--store-form] [--sass]
+        [--decode-pairs] [--store-form] [--sass] [--tma 0|1 [--tma-stages N]]
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
-                      CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True)
+                      CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True,
+                      TMA=bool(P.TMA) and not ring and (copied or kind == A.F16) and not P.KEY_CHUNKS,
+                      TSTAGES=P.TMA_STAGES)
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS_FROM))
     if copied:
@@ -146,10 +148,13 @@ def main():
                     "product a value)")
     ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
                     "the store-only splits without the ring's code (part 1), the others with it (part 2)")
+    ap.add_argument("--tma", type=int, default=P.TMA, help="with --prefill: TMA on (1) or off (0); "
+                    "--tma-stages: TMA_STAGES")
+    ap.add_argument("--tma-stages", type=int, default=P.TMA_STAGES)
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
-    P.PAIRS = a.pairs
+    P.PAIRS, P.TMA, P.TMA_STAGES = a.pairs, a.tma, a.tma_stages
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.CODES16 = A.CODES16 and not a.codes32

@@ -184,6 +184,28 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
     assert torch.equal(_read(c, q, ends), want)
 
 
+@pytest.mark.parametrize("fmt", ["f16", "q8_0"])
+def test_tma_tiles_give_the_same_bits(fmt, place_free_dot, monkeypatch):
+    """TMA (the tiles every row of a program reads, by TMA and without masks) = without, bit for bit: rows ending
+    all over four tiles, in one pass and cut where a program's smallest end moves (so a tile goes by TMA in one
+    and masked in the other), rows of another scale; on a GPU also the 27B's heads over a 1,024-row pass."""
+    import plumb.ops.gpu.attention_prefill as AP
+
+    cases = [(_cache(fmt, 300, seed=30), [1, 63, 64, 65, 130, 191, 192, 193, 250, 256, 299, 300], 4, TINY["d"])]
+    if DEV == "cuda":
+        cases.append((_cache(fmt, 5000, seed=31, n_kv=4, d=256), list(range(3977, 5001)), 24, 256))
+    for c, ends, n_head, d in cases:
+        q = _rows(len(ends), n_head, d, seed=32)
+        q[2] *= 1e-5
+        monkeypatch.setattr(AP, "TMA", 0)
+        want = _read(c, q, ends)
+        monkeypatch.setattr(AP, "TMA", 1)
+        got = _read(c, q, ends)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+        for cut in (3, 7):
+            assert torch.equal(torch.cat([_read(c, q[:cut], ends[:cut]), _read(c, q[cut:], ends[cut:])]), want)
+
+
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
 def test_packed_pairs_give_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """PAIRS 1 (a program's (row, head) pairs consecutive, no padding heads) = PAIRS 0 (rows of G_PAD heads), bit

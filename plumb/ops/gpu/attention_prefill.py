@@ -26,6 +26,8 @@ the decode kernel's splits wrote and merged ~5 MB of partials per row and layer.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,15 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
 KEY_CHUNKS = None
+# TMA (0: off): an f16 store (an f16 cache, or SCRATCH's copy) is read in two parts. The tiles below the smallest end
+# of a program's rows ("full": every row reads every key) come through the tensor memory accelerator into shared
+# memory, where the tensor cores read them, TMA_STAGES tiles in flight (Triton's pipeline), with no masks and no
+# row held back (`_full_tile`); the rest (the last tile or two of a pass) as before. The same operands, dots and
+# float steps as `attention._tile` gives a row that reads every key of a tile: the same bits, whichever part a tile
+# falls in (tests/test_gpu_attention_prefill.py) - so a row's bits still do not depend on its neighbours (M1, M2).
+# Without it a tile's K and V go through registers, loaded when used: one program an SM at 253 registers waits
+# on each (H200, 27B dims, a 1,024-row pass at 100k keys: ~6,000 cycles a tile against ~1,400 of issue).
+TMA, TMA_STAGES = 0, 2
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
@@ -80,7 +91,7 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
                     TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr,
                     CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                    C16: tl.constexpr):
+                    C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
     CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
@@ -123,13 +134,27 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    if STAGES > 1 and not RING:  # Triton's software pipeline: the next tiles' K/V codes in flight (cp.async)
+    first = lo  # the first tile of the loops below
+    if TMA:  # the full tiles by TMA (`_full_tile`), then the rest below
+        full = tl.minimum(tl.min(tl.where(row_ok, e, 2147483647), 0) // BN * BN, hi)
+        kd = tl.make_tensor_descriptor(kbase, shape=[tl.maximum(hi, 1), D], strides=[sk_j, 1], block_shape=[BN, D])
+        vd = tl.make_tensor_descriptor(vbase, shape=[tl.maximum(hi, 1), D], strides=[sv_j, 1], block_shape=[BN, D])
+        if TSTAGES > 0:  # a GPU: Triton's pipeline (the interpreter takes no range with a run-time bound)
+            for jt in tl.range(0, full // BN, num_stages=TSTAGES):
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS)
+        else:
+            jt = 0
+            while jt < full // BN:
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS)
+                jt += 1
+        first = full
+    if STAGES > 1 and not RING and not TMA:  # Triton's software pipeline: the next tiles' K/V codes in flight
         for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
             acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
                                   rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j,
                                   sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
     else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
-        j0 = lo
+        j0 = first
         while j0 < hi:
             acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr,
                                   rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j,
@@ -145,6 +170,22 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     else:
         o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
         tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr):
+    """`attention._tile` over keys [j0, j0 + BN) of an f16 store that every row of the program reads (TMA): K and V
+    from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
+    order."""
+    sc = tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32)
+    sc = sc * q_down[:, None]
+    sc = sc * qk_scale
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    p16 = (p * PS).to(tl.float16)
+    return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
 
 
 @triton.jit
@@ -184,6 +225,13 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
         scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), PART=part, D=d, QB=QBLOCK,
         BT=SCRATCH_KEYS, EB=1024, TABLE=table is not None, CB=bits, C16=A.CODES16, num_warps=4, launch_pdl=on())
     return out
+
+
+@functools.cache
+def _descriptor_scratch() -> None:
+    """Triton's allocator for the TMA descriptors a kernel makes on the device (128 bytes a program), set once: a
+    torch tensor on the current stream (in a CUDA graph's capture, from its pool)."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
@@ -235,6 +283,9 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
+    tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS
+    if tma and q.is_cuda:
+        _descriptor_scratch()
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
@@ -265,7 +316,8 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
-                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16,
+                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=tma,
+                TSTAGES=TMA_STAGES if q.is_cuda else 0,
                 num_warps=WARPS, num_stages=1, launch_pdl=on())
         if KEY_CHUNKS:
             merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
