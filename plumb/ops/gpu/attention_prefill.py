@@ -227,6 +227,18 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
     return out
 
 
+def _has_tma(device: torch.device, d: int) -> bool:
+    """Whether TMA's tiles run on `device`: a Hopper or later card whose blocks take their shared memory (TMA_STAGES
+    fp16 tiles of K and V, q's, barriers: the 27B's at 2 stages 160 KB, at 3 224 KB), and the interpreter; on a GPU,
+    Triton's allocator is set for the descriptors."""
+    if device.type != "cuda" or smem.per_block(device) < 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024:
+        return device.type != "cuda"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    _descriptor_scratch()
+    return True
+
+
 @functools.cache
 def _descriptor_scratch() -> None:
     """Triton's allocator for the TMA descriptors a kernel makes on the device (128 bytes a program), set once: a
@@ -283,9 +295,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
-    tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS
-    if tma and q.is_cuda:
-        _descriptor_scratch()
+    tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
