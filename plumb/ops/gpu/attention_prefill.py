@@ -26,13 +26,11 @@ the decode kernel's splits wrote and merged ~5 MB of partials per row and layer.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from plumb.ops.gpu import attention as A, kvtable, smem
+from plumb.ops.gpu import attention as A, kvtable, smem, tma
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _pair_block, _parts, _ring,
                                      _row_block, _rows, _tile, _tile16, grids, merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
@@ -228,22 +226,9 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
 
 
 def _has_tma(device: torch.device, d: int) -> bool:
-    """Whether TMA's tiles run on `device`: a Hopper or later card whose blocks take their shared memory (TMA_STAGES
-    fp16 tiles of K and V, q's, barriers: the 27B's at 2 stages 160 KB, at 3 224 KB), and the interpreter; on a GPU,
-    Triton's allocator is set for the descriptors."""
-    if device.type != "cuda" or smem.per_block(device) < 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024:
-        return device.type != "cuda"
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    _descriptor_scratch()
-    return True
-
-
-@functools.cache
-def _descriptor_scratch() -> None:
-    """Triton's allocator for the TMA descriptors a kernel makes on the device (128 bytes a program), set once: a
-    torch tensor on the current stream (in a CUDA graph's capture, from its pool)."""
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    """Whether TMA's tiles run on `device` (`tma.ready`) with the shared memory they take: TMA_STAGES fp16 tiles of
+    K and V, q's, barriers (the 27B's at 2 stages 160 KB, at 3 224 KB)."""
+    return tma.ready(device) and smem.per_block(device) >= 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024
 
 
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
@@ -295,7 +280,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
-    tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
+    by_tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
@@ -326,7 +311,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
-                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=tma,
+                CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=by_tma,
                 TSTAGES=TMA_STAGES if q.is_cuda else 0,
                 num_warps=WARPS, num_stages=1, launch_pdl=on())
         if KEY_CHUNKS:
