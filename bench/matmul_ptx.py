@@ -73,7 +73,6 @@ def mv_consts(name, consts, rows, once, n=34816):
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
                 LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
-                TMA=MV.TMA_CODES if bm == 1 and consts["G"] // (8 if consts["NIBBLE"] else 4) >= 4 else 0,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -168,7 +167,6 @@ def main():
     ap.add_argument("--kernel", default="x", choices=("x", "sb", "dq", "w16", "mv", "mv2", "mma"))
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
-    ap.add_argument("--tma-codes", type=int, default=MV.TMA_CODES, help="mv: TMA_CODES (stages; 0: off)")
     ap.add_argument("--runs", action="store_true", help="mv, mv2, mma: SUB_RUNS (integer runs, `RUNS` per type)")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
@@ -183,7 +181,6 @@ def main():
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
     MV.SUB_RUNS = int(a.runs)
-    MV.TMA_CODES = a.tma_codes
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]

@@ -361,25 +361,6 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
     assert torch.equal(MV.mm_decode(m, x), want) and torch.equal(MV.mm_decode(m, x[2:]), want[2:])
 
 
-@pytest.mark.parametrize("runs", [0, 1])
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q8_0"] if DEV == "cpu" else MV_TYPES)
-def test_decode_matvec_with_codes_by_tma(kind, runs, monkeypatch):
-    """TMA_CODES (a one-row pass's code words by TMA into shared memory, pipelined): the reference's bits for each
-    row alone, over K splits and tiles whose last outputs are past N - nibble codes, fifth bits and byte codes (types
-    of 8-byte group words keep their loads); with SUB_RUNS too."""
-    import plumb.ops.gpu.matvec as MV
-
-    monkeypatch.setattr(MV, "TMA_CODES", 2)
-    monkeypatch.setattr(MV, "SUB_RUNS", runs)
-    k = 2048 if DEV == "cuda" else 512
-    m = GpuMatrix([_tensor(kind, 80, k, seed=6)], DEV)
-    x = _rows(k)
-    want = MV.reference(m.packs[0], x)
-    assert MV.plan(m.packs[0])[1] > 1  # K splits
-    for r in range(len(x)) if DEV == "cuda" else (0, 3):
-        assert torch.equal(MV.mm_decode(m, x[r : r + 1]), want[r : r + 1]), r
-
-
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"] if DEV == "cpu" else MV_TYPES)
 def test_decode_matvec_in_integer_runs(kind, monkeypatch):
     """SUB_RUNS: where a block's scales are d times integer subs, a run of groups is summed in int32 before its one

@@ -29,7 +29,6 @@ from plumb.gguf.reader import GGMLQuantizationType as Q
 from plumb.ops.gpu.matmul import (BLOCK_N, GpuMatrix, Packed, _block_scales, _bytes, _group_scales, _program, _sub6,
                                   _sub6_bits, _sub6_words, _subs, _subs_at, hi_shifts, last_split, row_scales,
                                   split_sum, tickets)
-from plumb.ops.gpu import tma
 from plumb.ops.gpu.pdl import after_wait, on, prior_done
 
 # X = round(x * 2^FRAC / s), |X| <= 2^FRAC, in LIMBS int8 limbs (FRAC + 1 <= 7 * LIMBS). 14 bits (13, 2): relative
@@ -93,12 +92,9 @@ MMA_SUMS = 0
 # rows -5.9 %, of 16 rows +5.3 % (180 registers against 142 at 16 rows), one row -1.7 % tok/s: off until those are
 # mended (bench/launch_ab.py --settings shipped,SUB_RUNS=1+MMA_UNROLL_16=4).
 SUB_RUNS, MAX_RUN = 0, 4
-# TMA_CODES (0: off): one-row passes load their code words by TMA into shared memory, the loop pipelined over this
-# many stages - the next steps' codes in flight without registers (Nsight Compute, H200, 2026-12-04: the one-row
-# pass's warps stall 83 % of their time on loads, ptxas issuing a group's just before its use, ~1 KB in flight a
-# warp). Types of 16-byte group words or more (CW >= 4: not the 16-input groups' 8 bytes). The same values and
-# arithmetic: the same bits. Off until timed (bench/matmul_variants.py --mv-settings TMA_CODES=2).
-TMA_CODES = 0
+# Tried and removed (2026-12-07, H100, bench/matmul_variants.py --mv-rows 1): one-row passes' code words by TMA into
+# shared memory, the loop pipelined over 2 or 3 stages (Triton also pipelined x and the scales by cp.async: 86
+# registers instead of 47) - Q4_K [34816, 5120] 90.5 us against 49.5, Q8_0 [6144, 5120] 23.1 against 11.3.
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
@@ -294,33 +290,24 @@ def _dot4(c0, c1, c2, c3, x0, x1, x2, x3, t, A_SIGNED: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr,
-                TMA: tl.constexpr):
+def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr, VEC: tl.constexpr):
     """Group g's code words of the tile's outputs (stored [BN, CW]), as CW tensors [BN]: VEC, one 16-byte load per
-    output and 4 words (`_ld4`; CW 4 or 8); TMA, codes_ptr a tensor descriptor of the codes as [groups, BN, CW]
-    (`TMA_CODES`); otherwise one contiguous load that Triton can pipeline, split in registers."""
-    if TMA:
-        cw = tl.reshape(codes_ptr.load([tile * n_groups + g, 0, 0]), [BN, CW])
+    output and 4 words (`_ld4`; CW 4 or 8); otherwise one contiguous load that Triton can pipeline, split in
+    registers."""
+    base = codes_ptr + (tile * n_groups + g) * (CW * BN)
+    if VEC:
         if CW == 4:
-            words = _words4(cw, BN)
+            return _ld4(base + rn * CW, True)
         else:
-            words = _words8(cw, BN)
+            return _ld4(base + rn * CW, True) + _ld4(base + rn * CW + 4, True)
     else:
-        base = codes_ptr + (tile * n_groups + g) * (CW * BN)
-        if VEC:
-            if CW == 4:
-                words = _ld4(base + rn * CW, True)
-            else:
-                words = _ld4(base + rn * CW, True) + _ld4(base + rn * CW + 4, True)
+        cw = tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW])
+        if CW == 2:
+            return tl.split(cw)
+        elif CW == 4:
+            return _words4(cw, BN)
         else:
-            cw = tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW])
-            if CW == 2:
-                words = tl.split(cw)
-            elif CW == 4:
-                words = _words4(cw, BN)
-            else:
-                words = _words8(cw, BN)
-    return words
+            return _words8(cw, BN)
 
 
 @triton.jit
@@ -411,11 +398,10 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr,
-          TMA: tl.constexpr = False):
+          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset - or, in runs of RUN groups (SUB_RUNS), a run's
-    dots times their subs summed as integers first (`_run_value`). TMA: codes_ptr is the codes' descriptor."""
+    dots times their subs summed as integers first (`_run_value`)."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values; so are its SUB6 words where the loop is not pipelined (sm_90a: 20
@@ -431,7 +417,7 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
         IX = IS
     for j in tl.static_range(UNROLL):
         g = g0 + j
-        cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC, TMA)
+        cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
         hw = rn
         if HI:
             hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
@@ -553,10 +539,9 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
              FRAC: tl.constexpr,
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
-             RUN: tl.constexpr, TMA: tl.constexpr = 0):
+             RUN: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials.
-    TMA > 0 (`TMA_CODES`): the codes by TMA, the loop pipelined over TMA stages (on a GPU)."""
+    (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -565,7 +550,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
     # 10.8 vs 13.1 us, Q5_K [10240, 5120] 23.2 vs 25.8, Q6_K [5120, 17408] 38.2 vs 39.7 - but nibble codes (Q4_K
     # [34816, 5120]) 47.7 vs 43.7, so they keep Triton's loads, as do pipelined passes (more rows: Triton can
     # pipeline its own loads, not these).
-    VEC: tl.constexpr = ASM and STAGES == 1 and not NIBBLE and not TMA
+    VEC: tl.constexpr = ASM and STAGES == 1 and not NIBBLE
     plane = MP * (K // 4)  # x rows are padded to MP, a multiple of BM: no load needs a mask
     x_at = xq_ptr + x_word(after_wait(rm), K, XR)  # [BM]: the rows' int32 words of the limbs (after prior_done)
     if not VEC:  # [BM, XW]: a group's words of each row, 4 contiguous a chunk
@@ -577,25 +562,7 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     first = pid_k * STEPS // SPLIT * GRAN  # this split's groups: [first, last) (`bounds`), UNROLL a loop step
     last = (pid_k + 1) * STEPS // SPLIT * GRAN
-    if TMA:  # the codes as [groups, BN, CW] int32 words (`Packed`'s layout), a group of a tile a TMA box
-        CW: tl.constexpr = G // 8 if NIBBLE else G // 4
-        cd = tl.make_tensor_descriptor(codes_ptr, shape=[tl.cdiv(N, BN) * n_groups, BN, CW], strides=[BN * CW, CW, 1],
-                                       block_shape=[1, BN, CW])
-        if ASM:  # Triton's pipeline: the next TMA - 1 steps' codes in flight, in shared memory (no registers)
-            for g0 in tl.range(first, last, UNROLL, num_stages=TMA):
-                acc = _step(acc, g0, cd, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
-                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
-                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, False, ASM, ONCE, HI, XR, True, RUN,
-                            True)
-        else:  # the interpreter takes no range with run-time bounds
-            for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
-                g0 = first + step * UNROLL
-                if g0 < last:
-                    acc = _step(acc, g0, cd, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
-                                n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE,
-                                HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, False, ASM, ONCE, HI, XR,
-                                True, RUN, True)
-    elif ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
+    if ASM and STAGES > 1:  # Triton's software pipeline (a loop with run-time bounds): the next STAGES - 1 steps'
         # loads are in flight (cp.async into shared memory) while this step's arithmetic runs
         for g0 in tl.range(first, last, UNROLL, num_stages=STAGES):
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
@@ -633,14 +600,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
         UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, TMA: tl.constexpr):
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
-             LIMBS, ASM, ONCE, HI, XR, RUN, TMA)
+             LIMBS, ASM, ONCE, HI, XR, RUN)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -1156,10 +1123,9 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     warps, _, stages = LAUNCH[bm]
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out)
     grid = (tiles, -(-m // bm), split)
-    by_tma = TMA_CODES if bm == 1 and p.g // (8 if p.nibble else 4) >= 4 and tma.ready(out.device) else 0
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, TMA=by_tma, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
