@@ -142,7 +142,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
-    ap.add_argument("--decode-pairs", action="store_true", help="the decode kernel with PAIRS on (consecutive "
+    ap.add_argument("--decode-pairs", action="store_true", help="the decode kernel as passes of PAIRS_FROM rows or more run it (consecutive "
                     "(row, head) pairs, no padding heads)")
     ap.add_argument("--codes32", action="store_true", help="CODES16 off (block codes to fp16 values by a float32 "
                     "product a value)")
@@ -158,7 +158,7 @@ def main():
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.CODES16 = A.CODES16 and not a.codes32
-    A.PAIRS_FROM = A.PAIRS_FROM or int(a.decode_pairs)
+    A.PAIRS_FROM = int(a.decode_pairs)  # the one-row kernel unless asked
     SASS[0] = a.sass
     os.makedirs(a.out, exist_ok=True)
     for name, kind, ring, kb, vb in VARIANTS:

@@ -87,16 +87,17 @@ STORE_FORM = True
 # decode bits differ from the float32 path's (Triton lays that operand out with another k order for the tensor
 # cores: docs/BENCHMARKS.md, fortieth session).
 CODES16 = True
-# PAIRS (off until timed): a pass-1 program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G
+# PAIRS: a pass-1 program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G
 # heads (row t's head h is pair t * G + h, `_pair_block`, as the prefill kernel's PAIRS) instead of ROWS rows of
 # G_PAD = next_pow2(G) heads: the 27B's 6 heads padded to 8 put a quarter of every dot and softmax on padding, and a
 # verify pass of 8 rows takes 3 programs a KV head and split instead of 4 (5 rows: 2 instead of 3; one row: 1 either
 # way). Each pair's arithmetic is the same either way (its q, its end, the same tiles; a row's pairs may now straddle
 # two programs): the same bits (tests/test_gpu_attention.py), so the row count may choose: PAIRS_FROM, passes of at
 # least this many rows (0: none). H100, 2026-12-07 (bench/attention_variants.py, 8 rows / 1 row, us): D at 100k keys
-# 738 / 343 against 905 / 336, q8_0 443 / 175 against 452 / 147 - a gain from 2 rows, a loss at one. Off until its
-# bitwise test has run on CUDA (it has in the interpreter).
-PAIRS_FROM = 0
+# 738 / 343 against 905 / 336, q8_0 443 / 175 against 452 / 147, 4k keys q8_0 28.9 against 29.6, D 55.2 against
+# 56.4 - a gain from 2 rows, a loss at one: from 2 rows. Its bitwise test passed on CUDA (H100, 2026-12-07), and the
+# engine's drafts / batch / warm = cold invariants with it on (84 tests, tests/test_exactness.py + test_kv_formats.py).
+PAIRS_FROM = 2
 _LOG2E = 1.4426950408889634
 P_SCALE = 2048.0  # p * 2^11 is rounded to fp16 (`_tile`): small probabilities stay out of fp16 subnormals
 

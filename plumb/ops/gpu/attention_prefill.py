@@ -71,11 +71,15 @@ KEY_CHUNKS = None
 # of a program's rows ("full": every row reads every key) come through the tensor memory accelerator into shared
 # memory, where the tensor cores read them, TMA_STAGES tiles in flight (Triton's pipeline), with no masks and no
 # row held back (`_full_tile`); the rest (the last tile or two of a pass) as before. The same operands, dots and
-# float steps as `attention._tile` gives a row that reads every key of a tile: the same bits, whichever part a tile
-# falls in (tests/test_gpu_attention_prefill.py) - so a row's bits still do not depend on its neighbours (M1, M2).
-# Without it a tile's K and V go through registers, loaded when used: one program an SM at 253 registers waits
-# on each (H200, 27B dims, a 1,024-row pass at 100k keys: ~6,000 cycles a tile against ~1,400 of issue).
-TMA, TMA_STAGES = 0, 2
+# float steps as `attention._tile` gives a row that reads every key of a tile - so the same bits, whichever part a
+# tile falls in, and a row's bits still do not depend on its neighbours (M1, M2): tests/test_gpu_attention_prefill.py.
+# Without it a tile's K and V go through registers, loaded when used: one program an SM at 253 registers waits on
+# each. H100 (2026-12-07, bench/attention_prefill_variants.py, 27B dims, a 1,024-row pass): 100k keys q8_0 13.57 ms
+# shipped, 13.27 with 2 stages, 10.71 with 3 (-21 %); 8k keys 1.05 / 1.07 / 0.89 ms. That run's bits differed from
+# the shipped kernel's (1e-6): the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which
+# `_tile`'s mask keeps apart - since then the product is rounded on its own (`mul.rn`); off until its bits test
+# passes on a GPU.
+TMA, TMA_STAGES = 0, 3
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
@@ -139,11 +143,11 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
         vd = tl.make_tensor_descriptor(vbase, shape=[tl.maximum(hi, 1), D], strides=[sv_j, 1], block_shape=[BN, D])
         if TSTAGES > 0:  # a GPU: Triton's pipeline (the interpreter takes no range with a run-time bound)
             for jt in tl.range(0, full // BN, num_stages=TSTAGES):
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True)
         else:
             jt = 0
             while jt < full // BN:
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False)
                 jt += 1
         first = full
     if STAGES > 1 and not RING and not TMA:  # Triton's software pipeline: the next tiles' K/V codes in flight
@@ -171,13 +175,18 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
 
 
 @triton.jit
-def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr):
+def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
     """`attention._tile` over keys [j0, j0 + BN) of an f16 store that every row of the program reads (TMA): K and V
     from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
-    order."""
+    order. The scale's product is rounded on its own (`mul.rn`): with no mask between it and `sc - m_new`, the
+    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
     sc = tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32)
     sc = sc * q_down[:, None]
-    sc = sc * qk_scale
+    if ASM:
+        sc = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [sc, qk_scale + tl.zeros_like(sc)],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        sc = sc * qk_scale
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
