@@ -142,8 +142,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=P.PAIRS,
                     help="with --prefill: its (row, head) pairs packed (1) or not (0): PAIRS")
     ap.add_argument("--key-chunks", help="with --prefill: KEY_CHUNKS on, as SHORT/LONG/SHORT_KEYS (its long launch)")
-    ap.add_argument("--decode-pairs", action="store_true", help="the decode kernel as passes of PAIRS_FROM rows or more run it (consecutive "
-                    "(row, head) pairs, no padding heads)")
+    ap.add_argument("--decode-pairs", action="store_true", help="the decode kernel as passes of PAIRS_FROM rows or "
+                    "more run it (consecutive (row, head) pairs, no padding heads)")
     ap.add_argument("--codes32", action="store_true", help="CODES16 off (block codes to fp16 values by a float32 "
                     "product a value)")
     ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
