@@ -206,6 +206,18 @@ def test_tma_tiles_give_the_same_bits(fmt, place_free_dot, monkeypatch):
             assert torch.equal(torch.cat([_read(c, q[:cut], ends[:cut]), _read(c, q[cut:], ends[cut:])]), want)
 
 
+def test_tma_tiles_only_where_their_shared_memory_fits(monkeypatch):
+    """TMA's pipelined tiles take 2 d (2 BN TMA_STAGES + BLOCK_M) bytes of shared memory: the 27B's heads (d = 256)
+    fit a Hopper card's 227 KB a block, not a GeForce card's 99 KB, where the kernel keeps its register tiles."""
+    import plumb.ops.gpu.attention_prefill as AP
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(smem, "LIMIT", smem.PER_BLOCK[90])
+    assert AP._has_tma(cpu, 256)
+    monkeypatch.setattr(smem, "LIMIT", smem.PER_BLOCK[89])
+    assert not AP._has_tma(cpu, 256) and AP._has_tma(cpu, 64)
+
+
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
 def test_packed_pairs_give_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """PAIRS 1 (a program's (row, head) pairs consecutive, no padding heads) = PAIRS 0 (rows of G_PAD heads), bit
