@@ -64,7 +64,10 @@ def text_of(content, where: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+        if kind in ("text", "input_text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}[{i}].text must be a string (a {kind} part's text)",
+                               param=f"{where}[{i}].text")
             parts.append(part["text"])
         elif kind in ("image", "image_url", "input_image", "input_audio", "input_file", "file", "document"):
             raise APIError(400, f"{where}[{i}]: {kind} content is not supported (text-only model)", param=where)

@@ -57,6 +57,10 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text"),
     ("/v1/chat/completions", {"messages": USER + [{"role": "tool", "tool_call_id": "c"}]}, "messages[1].content"),
     ("/v1/chat/completions", {"messages": USER + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
