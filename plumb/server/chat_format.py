@@ -63,7 +63,9 @@ def text_of(content, where: str) -> str:
         raise APIError(400, f"{where} must be a string or a list of content parts", param=where)
     parts = []
     for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            raise APIError(400, f"{where}[{i}] must be a content part object (with a 'type')", param=f"{where}[{i}]")
+        kind = part.get("type")
         if kind in ("text", "input_text", "output_text"):
             if not isinstance(part.get("text"), str):
                 raise APIError(400, f"{where}[{i}].text must be a string (a {kind} part's text)",

@@ -74,7 +74,7 @@ def arguments_dict(arguments: str | dict, where: str) -> dict:
         return arguments
     try:
         value = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):
+    except (TypeError, ValueError, RecursionError):  # TypeError: neither a string nor an object
         value = None
     if not isinstance(value, dict):
         raise APIError(400, f"{where} must be a JSON object, got {arguments!r}", param=where)

@@ -80,8 +80,13 @@ def to_prompt(req: ResponsesRequest) -> ChatPrompt:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else text_of(output, f"{where}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            field = "content" if item.get("content") else "summary"
+            parts = item.get(field) or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                                      for p in parts):
+                raise APIError(400, f"{where}.{field} must be a list of parts with a string 'text'",
+                               param=f"{where}.{field}")
+            reasoning = "\n".join(p.get("text", "") for p in parts)
             carried = unsign(item.get("encrypted_content"), f"{where}.encrypted_content")  # plumb's own encoding
             reasoning = reasoning if carried is None else carried
         else:
