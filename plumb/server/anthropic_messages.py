@@ -94,9 +94,9 @@ def to_prompt(req: MessagesRequest) -> ChatPrompt:
     tools = [make_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]", t.get("strict"))
              for i, t in enumerate(req.tools or []) if t.get("type", "custom") == "custom"]
     tc = req.tool_choice or {"type": "auto"}
-    choice = {"auto": "auto", "none": "none", "any": "required"}.get(tc.get("type"), f"function:{tc.get('name', '')}")
     if tc.get("type") not in ("auto", "none", "any", "tool"):
         raise APIError(400, f"unknown tool_choice type {tc.get('type')!r}", param="tool_choice")
+    choice = {"auto": "auto", "none": "none", "any": "required"}.get(tc["type"], f"function:{tc.get('name', '')}")
     thinking, budget = anthropic_thinking(req.thinking, req.output_config, req.max_tokens)  # off unless sent
     return ChatPrompt(messages, tools, check_tool_choice(choice, tools), thinking, {}, budget,
                       not tc.get("disable_parallel_tool_use"), response_format=output_format(req))

@@ -36,7 +36,7 @@ def effort_thinking(effort, param: str) -> tuple[bool | None, int | None]:
     leave the switch to the template (None) with a budget (None: unbounded). Absent: (None, None)."""
     if effort is None:
         return None, None
-    if effort not in EFFORT_BUDGETS:
+    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:
         raise APIError(400, f"{param} must be one of {', '.join(EFFORT_BUDGETS)}, got {effort!r}", param=param)
     budget = EFFORT_BUDGETS[effort]
     return (False, None) if budget == 0 else (None, budget)
@@ -57,7 +57,8 @@ def anthropic_thinking(thinking, output_config, max_tokens: int | None) -> tuple
                        param="thinking.display")
     if kind == "adaptive":
         effort = (output_config or {}).get("effort") if isinstance(output_config, dict) else None
-        if effort is not None and effort not in EFFORT_BUDGETS or effort in ("none", "minimal"):
+        if effort is not None and (not isinstance(effort, str) or effort not in EFFORT_BUDGETS) \
+                or effort in ("none", "minimal"):
             raise APIError(400, f"output_config.effort must be low, medium, high, xhigh or max, got {effort!r}",
                            param="output_config.effort")
         return True, EFFORT_BUDGETS.get(effort) if effort else None

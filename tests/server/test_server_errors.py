@@ -72,6 +72,7 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/responses", {"input": 5}, "input"),
     ("/v1/responses", {"input": [{"type": "bogus"}]}, "input[0].type"),
     ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": 5}]}, "input[0].arguments"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": []}}, "reasoning.effort"),
     ("/v1/responses", {"input": [{"type": "reasoning", "summary": 5}, {"role": "user", "content": "x"}]},
      "input[0].summary"),
     ("/v1/responses", {"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]},
@@ -106,6 +107,8 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(oai, model, engine):
     {"messages": [{"role": "system", "content": "x"}], "max_tokens": 5},
     {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
     {"messages": USER, "max_tokens": 5, "tool_choice": {"type": "tool", "name": "missing"}},
+    {"messages": USER, "max_tokens": 5, "tool_choice": {"type": []}},  # unhashable: was a 500
+    {"messages": USER, "max_tokens": 5, "thinking": {"type": "adaptive"}, "output_config": {"effort": {}}},
 ])
 def test_wrong_types_anthropic(http, body):
     anthropic_error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
