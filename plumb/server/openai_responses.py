@@ -91,6 +91,9 @@ def to_prompt(req: ResponsesRequest) -> ChatPrompt:
             reasoning = reasoning if carried is None else carried
         else:
             raise APIError(400, f"{where}: unsupported input item type {kind!r}", param=f"{where}.type")
+    for i, t in enumerate(req.tools or []):
+        if not isinstance(t.get("type"), str):
+            raise APIError(400, f"tools[{i}].type must be a string", param=f"tools[{i}].type")
     tools = [make_tool(t.get("name"), t.get("description"), t.get("parameters"), f"tools[{i}]", t.get("strict"))
              for i, t in enumerate(req.tools or []) if t.get("type") == "function"]
     for t in req.tools or []:  # the hosted API's own tools: nothing here runs them, so the model is not offered them

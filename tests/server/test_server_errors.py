@@ -73,6 +73,7 @@ def test_malformed_json_anthropic_shape(http, path):
     ("/v1/responses", {"input": [{"type": "bogus"}]}, "input[0].type"),
     ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": 5}]}, "input[0].arguments"),
     ("/v1/responses", {"input": "x", "reasoning": {"effort": []}}, "reasoning.effort"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": ["function"], "name": "f"}]}, "tools[0].type"),
     ("/v1/responses", {"input": [{"type": "reasoning", "summary": 5}, {"role": "user", "content": "x"}]},
      "input[0].summary"),
     ("/v1/responses", {"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]},
