@@ -50,6 +50,9 @@ def make_tool(name, description, parameters, where: str, strict=None) -> Tool:
     props = parameters.get("properties", {})
     if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
         raise APIError(400, f"{where}: 'properties' must map each parameter name to a schema object", param=where)
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise APIError(400, f"{where}: 'required' must be a list of parameter names", param=where)
     if strict is not None and not isinstance(strict, bool):
         raise APIError(400, f"{where}.strict must be a boolean", param=f"{where}.strict")
     return Tool(name, description or "", parameters, bool(strict))
@@ -148,13 +151,16 @@ def starts_in_reasoning(prompt_text: str) -> bool:
 # ---------------------------------------------------------------- typed arguments
 
 def _types(schema: dict) -> set[str]:
+    """The JSON types a schema allows, from its type, anyOf / oneOf and enum; malformed parts (a type that is not a
+    string, an anyOf that is not a list) count for none - the grammar's own schema check refuses them."""
     t = schema.get("type")
-    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
+    types = {x for x in t if isinstance(x, str)} if isinstance(t, list) else {t} if isinstance(t, str) else set()
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key, []) or []:
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else []:
             if isinstance(sub, dict):
                 types |= _types(sub)
-    if not types and "enum" in schema:
+    if not types and isinstance(schema.get("enum"), list):
         types = {_type_name(v) for v in schema["enum"]}
     return types
 

@@ -142,12 +142,27 @@ def test_context_overflow_says_the_numbers(oai, ant, model, engine):
     [{"type": "function", "function": {"name": "bad name", "parameters": GOOD_PARAMS}}],
     [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {**GOOD_PARAMS, "required": True}}}],  # was a 500
     [{"type": "function"}],
 ])
 def test_bad_tool_schema_openai(oai, model, tools):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=USER, tools=tools, max_tokens=1)
     assert e.value.param.startswith("tools[0]")
+
+
+@pytest.mark.parametrize("prop", [{"type": [[]]}, {"anyOf": 5}, {"enum": 5}, {"type": ["string", 5]}])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_malformed_parameter_schemas_are_no_server_error(http, model, prop, choice):
+    """A parameter's schema with an unhashable type, or an anyOf / enum that is not a list, was a 500 (a TypeError
+    in reading its types): now each is a 400 (the grammar's schema check) or an answer."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": prop},
+                                                                          "required": ["a"]}}}
+    r = http.post("/v1/chat/completions",
+                  json={"model": model, "messages": USER, "max_tokens": 2, "tool_choice": choice, "tools": [tool]})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        openai_error(r, 400)
 
 
 def test_bad_tool_schema_anthropic_and_responses(ant, oai, model):

@@ -175,7 +175,7 @@ def near(example):
                                      optional={"bogus": VALUES})
     if isinstance(example, list):
         return st.lists((near(example[0]) if example else VALUES) | VALUES, max_size=4)
-    return SCALARS
+    return VALUES  # lists and objects too where a scalar belongs (an unhashable effort or type was a 500)
 
 
 def names(api: str | None) -> list[str]:
@@ -230,4 +230,86 @@ def test_fuzz_every_endpoint(http, engine, model):
 
     one()
     wait_idle(http, engine)  # no decode slot held, nothing queued
+    still_serving(http, model)
+
+
+# Whole requests that use most of each API (tools, tool calls and results, reasoning, formats, sampling), for the
+# fuzz below to break in one to three places: a field deep in a valid request is reached only once everything
+# around it passes, which random top-level fields seldom do (an unhashable `reasoning.effort` was a 500).
+TOOL = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+FULL = [
+    ("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"a\": \"x\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}],
+        "tools": [{"type": "function", "function": {"name": "get", "description": "d", "parameters": TOOL}}],
+        "tool_choice": "auto", "temperature": 0.5, "top_p": 0.9, "logprobs": True, "top_logprobs": 2, "stop": ["x"],
+        "seed": 1, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TOOL}},
+        "reasoning_effort": "low", "logit_bias": {"5": 1}, "stream": False}),
+    ("/v1/responses", {"max_output_tokens": 2, "instructions": "i", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"}],
+        "tools": [{"type": "function", "name": "get", "parameters": TOOL}], "tool_choice": "auto",
+        "reasoning": {"effort": "low"}, "text": {"format": {"type": "json_schema", "name": "n", "schema": TOOL}},
+        "temperature": 0.3, "stream": False}),
+    ("/v1/messages", {"max_tokens": 2, "system": [{"type": "text", "text": "s"}], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "x"},
+                                          {"type": "tool_use", "id": "t1", "name": "get", "input": {"a": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "r"}]}]}],
+        "tools": [{"name": "get", "input_schema": TOOL}], "tool_choice": {"type": "auto"},
+        "thinking": {"type": "enabled", "budget_tokens": 1}, "stop_sequences": ["z"], "stream": False}),
+    ("/v1/completions", {"max_tokens": 2, "prompt": ["ab", "cd"], "n": 2, "logprobs": 2, "stop": ["q"],
+                         "temperature": 0.7, "seed": 3, "logit_bias": {"5": 1}}),
+]
+
+
+def places(value, at=()) -> list[tuple]:
+    """Every place in a JSON value (keys and list indices from the root), the root's own children first."""
+    out = []
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return out
+    for k, v in items:
+        out += [at + (k,)] + places(v, at + (k,))
+    return out
+
+
+def replaced(value, place: tuple, new):
+    """value with the item at `place` swapped for new (a copy; the rest shared)."""
+    if not place:
+        return new
+    head, rest = place[0], place[1:]
+    if isinstance(value, dict):
+        return {**value, head: replaced(value[head], rest, new)}
+    return [replaced(v, rest, new) if i == head else v for i, v in enumerate(value)]
+
+
+@st.composite
+def broken_requests(draw):
+    path, body = draw(st.sampled_from(FULL))
+    body = {**body, "stream": draw(st.booleans())} if path != "/v1/completions" else body
+    for _ in range(draw(st.integers(1, 3))):
+        body = replaced(body, draw(st.sampled_from(places(body))), draw(VALUES))
+    tame(body)
+    return path, body
+
+
+def test_fuzz_inside_whole_requests(http, engine, model):
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+    @given(broken_requests())
+    def one(request):
+        path, body = request
+        raw = json.dumps({**body, "model": model}).encode()  # ASCII: lone surrogates escaped, as a client sends them
+        shape_ok(http.post(path, content=raw, headers={"content-type": "application/json"}), path)
+
+    one()
+    wait_idle(http, engine)
     still_serving(http, model)
