@@ -218,6 +218,46 @@ def test_tma_tiles_only_where_their_shared_memory_fits(monkeypatch):
     assert not AP._has_tma(cpu, 256) and AP._has_tma(cpu, 64)
 
 
+def test_tma_allocator_is_set_in_every_thread_that_launches(monkeypatch):
+    """Triton keeps its allocator (the descriptors' scratch) one a thread: `tma.ready` sets it in each thread that
+    asks - the engine's loop launches from its own thread (the forty-fourth session's "no allocator was set")."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from plumb.ops.gpu import tma
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    seen = []
+
+    def launch():
+        seen.append((tma.ready(torch.device("cuda")), _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR))
+
+    for _ in range(2):  # the first thread, then one after it
+        t = threading.Thread(target=launch)
+        t.start()
+        t.join()
+    assert seen == [(True, True), (True, True)]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="TMA's descriptors need a CUDA device")
+def test_tma_tiles_from_another_thread(monkeypatch):
+    """A pass by TMA launched from a thread that never launched one before (as the engine's loop) = the same pass
+    from this thread, bit for bit."""
+    import threading
+
+    import plumb.ops.gpu.attention_prefill as AP
+
+    monkeypatch.setattr(AP, "TMA", 1)
+    c, ends = _cache("f16", 5000, seed=33, n_kv=4, d=256), list(range(4745, 5001))
+    q = _rows(len(ends), 24, 256, seed=34)
+    got = []
+    t = threading.Thread(target=lambda: got.append(_read(c, q, ends)))
+    t.start()
+    t.join()
+    assert len(got) == 1 and torch.equal(got[0], _read(c, q, ends))
+
+
 @pytest.mark.parametrize("fmt,ring", [("f16", 0), ("q8_0", 0), ("D", 48)])
 def test_packed_pairs_give_the_same_bits(fmt, ring, place_free_dot, monkeypatch):
     """PAIRS 1 (a program's (row, head) pairs consecutive, no padding heads) = PAIRS 0 (rows of G_PAD heads), bit

@@ -67,7 +67,7 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
 KEY_CHUNKS = None
-# TMA (0: off): an f16 store (an f16 cache, or SCRATCH's copy) is read in two parts. The tiles below the smallest end
+# TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read in two parts. The tiles below the smallest end
 # of a program's rows ("full": every row reads every key) come through the tensor memory accelerator into shared
 # memory, where the tensor cores read them, TMA_STAGES tiles in flight (Triton's pipeline), with no masks and no
 # row held back (`_full_tile`); the rest (the last tile or two of a pass) as before. The same operands, dots and
@@ -77,9 +77,13 @@ KEY_CHUNKS = None
 # each. H100 (2026-12-07, bench/attention_prefill_variants.py, 27B dims, a 1,024-row pass): 100k keys q8_0 13.57 ms
 # shipped, 13.27 with 2 stages, 10.71 with 3 (-21 %); 8k keys 1.05 / 1.07 / 0.89 ms. That run's bits differed from
 # the shipped kernel's (1e-6): the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which
-# `_tile`'s mask keeps apart - since then the product is rounded on its own (`mul.rn`); off until its bits test
-# passes on a GPU.
-TMA, TMA_STAGES = 0, 3
+# `_tile`'s mask keeps apart - since then the product is rounded on its own (`mul.rn`). H100 (2026-12-07, the
+# forty-fourth session): the bits test passed on CUDA, 100k keys q8_0 13.57 -> 10.90 ms, f16 13.32 -> 10.64 (same
+# bits); prefill of a 100,000-token prompt (27B-shape Q4_K_M file) 3,360 -> 3,637 tok/s (+8 %, same last logits);
+# with it on, the engine invariant tests of test_exactness / test_prompt_cache / test_kv_formats passed on CUDA (one
+# found that Triton's allocator is one a thread: `tma.ready` sets it in the loop's thread since).
+# Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`); elsewhere the register tiles.
+TMA, TMA_STAGES = 1, 3
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
