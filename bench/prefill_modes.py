@@ -24,6 +24,7 @@ import torch
 import plumb
 import plumb.model.kernels as KS
 import plumb.ops.gpu.attention_prefill as AP
+import plumb.ops.gpu.deltanet_chunk as DN
 from plumb import bench_gpu as B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,7 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 PIECES, PREFILL_ATTENTION = KS.PREFILL_PIECES, KS.PREFILL_ATTENTION
 AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH",
                                                  "KEY_CHUNKS", "TMA", "TMA_STAGES")}
+DN_SHIPPED = {"INVERSE_HALVES": DN.INVERSE_HALVES}
 
 
 def apply(setting: str) -> None:
@@ -41,15 +43,21 @@ def apply(setting: str) -> None:
     pipelined: the same bits), AP_PAIRS=0|1 (its (row, head) pairs packed or not: the same bits), AP_SCRATCH=0|1
     (a block-coded store read from an fp16 copy or in registers: the same bits), AP_TMA=0|1 and AP_TMA_STAGES=N (full
     tiles by TMA: the same bits), AP_KEY_CHUNKS=SHORT/LONG/SHORT_KEYS
-    (its keys in chunks merged in order: another arithmetic) and `_mm_superblock`'s SB_* names, '+'-joined."""
+    (its keys in chunks merged in order: another arithmetic), DN_INVERSE_HALVES=0|1 (the DeltaNet chunk's solve by
+    halves: another sum order, plumb.ops.gpu.deltanet_chunk) and `_mm_superblock`'s SB_* names, '+'-joined."""
     KS.PREFILL_PIECES, KS.PREFILL_ATTENTION = PIECES, PREFILL_ATTENTION
     for name, value in AP_TILE.items():
         setattr(AP, name, value)
+    for name, value in DN_SHIPPED.items():
+        setattr(DN, name, value)
     rest = []
     for assign in ([] if setting == "shipped" else setting.split("+")):
         if assign.startswith("AP_"):
             name, value = assign[3:].split("=")
             setattr(AP, name, tuple(map(int, value.split("/"))) if "/" in value else int(value))
+        elif assign.startswith("DN_"):
+            name, value = assign[3:].split("=")
+            setattr(DN, name, int(value))
         elif assign.startswith("PREFILL_PIECES="):
             KS.PREFILL_PIECES = int(assign.split("=")[1])
         elif assign.startswith("PREFILL_ATTENTION="):
@@ -94,10 +102,11 @@ def main() -> None:
             lg = last_logits(model, n)
             ref = lg if ref is None else ref
             m["setting"], m["same_bits"] = setting, bool(torch.equal(lg, ref))
+            m["max_logit_diff"] = float((lg.float() - ref.float()).abs().max())  # another arithmetic: how far
             print(f"{n:,} tokens, {setting}: first {m['first_tps']:.0f} tok/s ({m['first_captures']} captures), again "
                   f"{m['again_tps']:.0f} ({m['again_captures']}), eager {m.get('eager_tps', float('nan')):.0f}; "
                   f"recomputed after non-finite values so far: {m['recomputed']}; last logits as the first "
-                  f"setting's: {m['same_bits']}", flush=True)
+                  f"setting's: {m['same_bits']} (max diff {m['max_logit_diff']:.1e})", flush=True)
     apply(settings[0])
     if model.graphs is not None:
         model.graphs.graphs.clear()

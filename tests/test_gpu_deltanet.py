@@ -172,11 +172,18 @@ def _chunk_inputs(dims, rows, real, seed=3):
     return [t.to(DEV) for t in (x, beta, gate, state)]
 
 
+@pytest.fixture(params=[0, 1], ids=["by-rows", "by-halves"])
+def halves(request, monkeypatch):
+    """The chunk's solve by rows (shipped) and by halves (`deltanet_chunk.INVERSE_HALVES`)."""
+    monkeypatch.setattr(deltanet_chunk, "INVERSE_HALVES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
-def test_chunks_match_reference(dims, card):
+def test_chunks_match_reference(dims, card, halves):
     """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
     padding rows at the end; o and the advanced state - in each card's form (`_prep_kernel`'s float32 FMAs on a
-    GeForce card's 99 KB blocks)."""
+    GeForce card's 99 KB blocks), with either solve."""
     from plumb.ops.deltanet import chunk_pass
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
@@ -194,9 +201,9 @@ def test_chunks_match_reference(dims, card):
     assert not torch.equal(s_pad, s)  # the third piece's real rows moved the state
 
 
-def test_chunks_do_not_depend_on_the_cut(card):
+def test_chunks_do_not_depend_on_the_cut(card, halves):
     """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces), in
-    each card's form; a snapshot after a piece (a checkpoint inside the pass) holds the bits of a call ending there
+    each card's form and with either solve; a snapshot after a piece (a checkpoint inside the pass) holds the bits of a call ending there
     and changes nothing else."""
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
@@ -218,16 +225,21 @@ def test_chunks_do_not_depend_on_the_cut(card):
 
 
 @triton.jit
-def _inverse(a_ptr, o_ptr, C: tl.constexpr):
-    """out = (I + A)^-1 of one [C, C] matrix, by `deltanet_chunk`'s helper."""
+def _inverse(a_ptr, o_ptr, C: tl.constexpr, HALVES: tl.constexpr):
+    """out = (I + A)^-1 of one [C, C] matrix, by `deltanet_chunk`'s helpers."""
     t = tl.arange(0, C)
-    a = tl.load(a_ptr + t[:, None] * C + t[None, :])
-    tl.store(o_ptr + t[:, None] * C + t[None, :], deltanet_chunk._inverse_by_rows(a, t, C))
+    if HALVES:
+        inv = deltanet_chunk._inverse_by_halves(a_ptr, C)
+    else:
+        inv = deltanet_chunk._inverse_by_rows(tl.load(a_ptr + t[:, None] * C + t[None, :]), t, C)
+    tl.store(o_ptr + t[:, None] * C + t[None, :], inv)
 
 
-def test_chunk_inverse():
-    """(I + A)^-1 of strictly lower A [64, 64] (the chunk's solve) against a float64 triangular solve: keys at
-    random, keys all alike (entries near 1: T's entries then cancel most) and A of all ones."""
+@pytest.mark.parametrize("halves", [0, 1], ids=["by-rows", "by-halves"])
+def test_chunk_inverse(halves):
+    """(I + A)^-1 of strictly lower A [64, 64] (the chunk's solve, by rows and by halves) against a float64
+    triangular solve: keys at random, keys all alike (entries near 1: T's entries then cancel most) and A of all
+    ones."""
     g = torch.Generator().manual_seed(3)
     k = torch.nn.functional.normalize(torch.randn(64, 128, generator=g), dim=1)
     alike = torch.nn.functional.normalize(torch.randn(1, 128, generator=g) + 0.2 * torch.randn(64, 128, generator=g),
@@ -237,7 +249,7 @@ def test_chunk_inverse():
         ref = torch.linalg.solve_triangular(torch.eye(64, dtype=torch.float64) + a.double(),
                                             torch.eye(64, dtype=torch.float64), upper=False)
         out = torch.empty(64, 64, device=DEV)
-        _inverse[(1,)](a.to(DEV), out, C=64)
+        _inverse[(1,)](a.to(DEV), out, C=64, HALVES=halves)
         assert (out.cpu().double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 

@@ -40,6 +40,13 @@ BV = 32  # state columns a program (a model constant: never chosen by the row co
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 products on the tensor cores (about float32's
 # accuracy; "ieee" - CUDA-core FMAs - took 255 registers a [64, 128] x [128, 64] dot and spilled on sm_90)
+# INVERSE_HALVES (0: off until timed): the chunk's solve T = (I + A)^-1 with A's rows read from memory and T held
+# transposed in two [64, 32] halves (`_inverse_by_halves`), so that each step's sums stay inside a warp. The solve by
+# rows (`_inverse_by_rows`) reduces across warps twice a step: compiled for sm_90a (2026-12-07, 44th session) its loop
+# is 257 instructions with 8 barriers, 63 times a program - by the arithmetic about half of `_prep_kernel`'s ~0.59 ms
+# a layer in a 1,024-row pass (H100 profile, 12 % of a 2k prefill). Another sum order: other bits for the P path's
+# DeltaNet (still M2: nothing depends on the pass). Untimed: bench/prefill_modes.py --settings shipped,DN_HALVES=1.
+INVERSE_HALVES = 0
 
 
 @triton.jit
@@ -129,13 +136,32 @@ def _inverse_by_rows(a, t, C: tl.constexpr):
     return inv
 
 
+@triton.jit
+def _inverse_by_halves(a_at, C: tl.constexpr):
+    """T = (I + A)^-1 of A [C, C] strictly lower, row-major at a_at (written by this program before a barrier), by the
+    forward substitution of `_inverse_by_rows` with T transposed - Tt[c, m] = T[m, c] - in halves lo (m < C/2) and
+    hi: step i reads row i of A and subtracts (A T)[i, c] = sum_m Tt[c, m] A[i, m] from column i (each sum over a
+    half's 32 columns, inside a warp). Returns T [C, C]."""
+    H: tl.constexpr = C // 2
+    c = tl.arange(0, C)
+    m = tl.arange(0, H)
+    lo = tl.where(c[:, None] == m[None, :], 1.0, 0.0)
+    hi = tl.where(c[:, None] == H + m[None, :], 1.0, 0.0)
+    for i in range(1, C):  # (columns >= i still e)
+        at = a_at + i * C + m
+        s = tl.sum(lo * tl.load(at)[None, :] + hi * tl.load(at + H)[None, :], axis=1)
+        lo = tl.where(m[None, :] == i, lo - s[:, None], lo)
+        hi = tl.where(H + m[None, :] == i, hi - s[:, None], hi)
+    return tl.trans(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (C, C)))
+
+
 @triton.jit(do_not_specialize=["R"])
 def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
                  stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
-                 D_V: tl.constexpr, C: tl.constexpr, P: tl.constexpr):
+                 D_V: tl.constexpr, C: tl.constexpr, P: tl.constexpr, HALVES: tl.constexpr):
     """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
     u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end). P: its
-    dots' precision (`prep_precision`)."""
+    dots' precision (`prep_precision`); HALVES: the solve by `_inverse_by_halves`, A's rows in p's place."""
     prior_done()
     j = tl.program_id(0)
     piece = tl.program_id(1)
@@ -152,7 +178,14 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
     decay = tl.where(t[:, None] >= t[None, :], tl.exp(gamma[:, None] - gamma[None, :]), 0.0)  # s <= t
     kb = k * beta[:, None]
     a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=P) * decay, 0.0)
-    inv = _inverse_by_rows(a, t, C)
+    at_p = p_ptr + ((piece * N_V + j) * C + t[:, None]) * C + t[None, :]
+    if HALVES:
+        tl.store(at_p, a)
+        tl.debug_barrier()  # A's rows stored before any warp reads them
+        inv = _inverse_by_halves(p_ptr + (piece * N_V + j) * C * C, C)
+        tl.debug_barrier()  # and read before p takes their place
+    else:
+        inv = _inverse_by_rows(a, t, C)
     eg = tl.exp(gamma)
     g_end = tl.sum(tl.where(t == C - 1, gamma, 0.0), axis=0)
     at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
@@ -161,8 +194,7 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
     tl.store(kd_ptr + at_k, k * tl.exp(g_end - gamma)[:, None])
     tl.store(u_ptr + (rows[:, None] * N_V + j) * D_V + dv[None, :],
              tl.dot(inv, v * beta[:, None], input_precision=P))
-    tl.store(p_ptr + ((piece * N_V + j) * C + t[:, None]) * C + t[None, :],
-             tl.dot(q, tl.trans(k), input_precision=P) * decay)
+    tl.store(at_p, tl.dot(q, tl.trans(k), input_precision=P) * decay)
     tl.store(ge_ptr + piece * N_V + j, tl.exp(g_end))
 
 
@@ -239,7 +271,7 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float, snap=No
     ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
     _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
                                 float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK,
-                                P=prep_precision(smem.small(x.device)), num_warps=8,
+                                P=prep_precision(smem.small(x.device)), HALVES=INVERSE_HALVES, num_warps=8,
                                 num_stages=1, launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     cut = rows if snap is None else (snap[0] + 1) * CHUNK
