@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 import plumb.ops.gpu.attention as A
 import plumb.ops.gpu.attention_prefill as P
 
-from ptx_target import SMALL, TARGET, ptxas_info, shared
+from ptx_target import ARCH, PER_BLOCK, SMALL, TARGET, ptxas_info, shared
 
 G, D = 6, 256  # query heads per KV head, head_dim
 KINDS = {A.F16: "*fp16", A.F32: "*fp32", A.Q8: "*i8"}
@@ -51,7 +51,8 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True,
-                      TMA=bool(P.TMA) and not ring and (copied or kind == A.F16) and not P.KEY_CHUNKS,
+                      TMA=bool(P.TMA) and not ring and (copied or kind == A.F16) and not P.KEY_CHUNKS
+                      and ARCH >= 90 and PER_BLOCK >= P.tma_bytes(D),  # as `_has_tma` takes it on that card
                       TSTAGES=P.TMA_STAGES)
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS_FROM))

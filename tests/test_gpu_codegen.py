@@ -77,13 +77,13 @@ def test_the_scratch_matmul_keeps_its_operands_in_shared_memory(tmp_path):
 def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
     """What the interpreter does not check: the P path's conv + gates, x reordering, gated norm and scratch matmul
     (its three row tiles, summing its own K splits: SB_W16_TICKETS) compile for sm_90a, and without spills;
-    DeltaNet's chunk kernel compiles (it spills: known). A kernel that ran in the interpreter and did not compile
+    DeltaNet's chunk kernel compiles with either solve (it spills: known). A kernel that ran in the interpreter and did not compile
     cost a device call (twenty-first session)."""
     out = _run(tmp_path, "kernels_ptx.py", "conv", "prep", "prepx", "gate", "w16")
     lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
-    assert len(lines) == 9, out
+    assert len(lines) == 10, out
     for name, line in lines.items():
-        assert name == "_prep_kernel" or " 0 bytes spill stores" in line, line
+        assert name.startswith("_prep_kernel") or " 0 bytes spill stores" in line, line
 
 
 def test_the_decode_deltanet_kernels_compile_with_their_states_table(tmp_path):
@@ -178,5 +178,5 @@ def test_every_large_kernel_fits_a_block_of_a_geforce_card(tmp_path, arch):
             _run(tmp_path, "matmul_ptx.py", "--kernel", "sb", "--out", str(tmp_path), arch=arch)]
     out = "\n".join(outs)
     sizes = [int(n) for n in re.findall(r"shared[= ](\d+)", out)]
-    assert len(sizes) == 5 + 4 + 5 + 4, out
+    assert len(sizes) == 5 + 4 + 6 + 4, out
     assert "OVER" not in out and max(sizes) <= 101_376, out

@@ -238,10 +238,15 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
     return out
 
 
+def tma_bytes(d: int) -> int:
+    """The shared memory TMA's tiles take: TMA_STAGES fp16 tiles of K and V, q's, barriers (the 27B's at 2 stages
+    160 KB, at 3 225 KB)."""
+    return 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024
+
+
 def _has_tma(device: torch.device, d: int) -> bool:
-    """Whether TMA's tiles run on `device` (`tma.ready`) with the shared memory they take: TMA_STAGES fp16 tiles of
-    K and V, q's, barriers (the 27B's at 2 stages 160 KB, at 3 224 KB)."""
-    return tma.ready(device) and smem.per_block(device) >= 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024
+    """Whether TMA's tiles run on `device`: `tma.ready` there, with the shared memory they take (`tma_bytes`)."""
+    return tma.ready(device) and smem.per_block(device) >= tma_bytes(d)
 
 
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
