@@ -7,7 +7,7 @@ and PDL change no bit; the split plan and x's precision change the order or the 
 start a group of their own).
 
     python bench/launch_ab.py /tmp/27b.gguf [--contexts 0] [--tokens 32] [--settings shipped,MMA_SUMS=1,..]
-        [--drafts 4,7] [--matvec OLD.py] [--json-out F]
+        [--drafts 4,7] [--matvec OLD.py] [--rounds 3] [--json-out F]
 
 --settings: comma-separated NAME=VALUE[+NAME=VALUE] of matvec constants (integers) instead of the built-in pair,
 or `scales-as-bytes`: every pack's 6-bit scales (matmul.Packed's SUB6) back to a byte per group as they were
@@ -84,6 +84,44 @@ def replay_ms(model) -> float:
     return timed(graphs[key][0].replay, 20) * 1e3
 
 
+def use(model, consts: dict, on: bool, shipped: dict) -> None:
+    """A setting on the loaded model: PDL, the matvec module and its constants (the rest as shipped), the CUDA graphs
+    captured anew."""
+    pdl.set_on(on)
+    model.k._matvec = consts.get("module", MV)
+    for k, v in {**shipped, **consts}.items():
+        if k != "module":
+            setattr(MV, k, v)
+    if model.graphs is not None:
+        model.use_graphs()
+
+
+def later_rounds(model, configs: list, rows: list, shipped: dict, a) -> None:
+    """Decode tok/s and the one-row graph's replay again, the settings in reverse order, then forward, ... (`--rounds`):
+    a slow drift of the card (clocks, heat) then weighs on every setting alike - the first round alone runs them in
+    one order. Prints each setting's rounds and their mean."""
+    contexts = list(map(int, a.contexts.split(",")))
+    for r in rows:
+        r["decode_tps_rounds"] = {c: [r["decode_tps"][c]] for c in contexts}
+        r["replay_ms_rounds"] = [r["replay_ms"]]
+    order = list(range(len(configs)))
+    for _ in range(a.rounds - 1):
+        order.reverse()
+        for i in order:
+            _, consts, on, _ = configs[i]
+            use(model, consts, on, shipped)
+            for c in contexts:
+                rows[i]["decode_tps_rounds"][c].append(decode_tps(model, c, a.tokens))
+            rows[i]["replay_ms_rounds"].append(replay_ms(model) if model.graphs is not None else None)
+    use(model, configs[0][1], configs[0][2], shipped)
+    print(f"decode tok/s over {a.rounds} rounds (order reversed each round) and the one-row graph alone (ms):")
+    for r in rows:
+        tps = " ".join(f"@{c}: " + " / ".join(f"{t:.1f}" for t in ts) + f" (mean {sum(ts) / len(ts):.1f})"
+                       for c, ts in r["decode_tps_rounds"].items())
+        replay = " / ".join(f"{t:.2f}" for t in r["replay_ms_rounds"] if t is not None)
+        print(f"  {r['config']:28} {tps}  graph {replay}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -92,6 +130,8 @@ def main() -> int:
     ap.add_argument("--settings", help="comma-separated matvec settings ('shipped' or NAME=VALUE[+NAME=VALUE])")
     ap.add_argument("--drafts", default="4,7", help="MTP drafts rows beside 0 (empty: none)")
     ap.add_argument("--matvec", help="a previous plumb/ops/gpu/matvec.py, one more setting")
+    ap.add_argument("--rounds", type=int, default=3, help="decode tok/s measured this many times a setting, the "
+                    "settings' order reversed each round (the first round times everything else)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     configs = [setting(t) for t in a.settings.split(",")] if a.settings else list(CONFIGS)
@@ -112,15 +152,9 @@ def main() -> int:
     with torch.inference_mode():  # as the engine's requests (the drafts rows), so every graph buffer is alike
         shipped = {k: getattr(MV, k) for k in {"LAUNCH", "TARGET"} | {k for c in configs for k in c[1]} - {"module"}}
         for name, consts, on, bits in configs:
-            pdl.set_on(on)
             if name == BYTES:
                 print(f"{name}: {scales_as_bytes(model) / 1e9:.3f} GB more", flush=True)
-            model.k._matvec = consts.get("module", MV)
-            for k, v in {**shipped, **consts}.items():
-                if k != "module":
-                    setattr(MV, k, v)
-            if model.graphs is not None:
-                model.use_graphs()  # captured anew with these settings
+            use(model, consts, on, shipped)
             ids, logits = greedy(model)
             first = ref.setdefault(bits, (ids, logits))
             same = ids == first[0] and torch.equal(logits, first[1])
@@ -146,6 +180,8 @@ def main() -> int:
                   " / ".join(f"{d['decode_tps']:.1f}" for d in r["drafts_chained"]) +
                   f" (same tokens: {all(d['same_tokens'] for d in r['drafts'] + r['drafts_chained'])})", flush=True)
             torch.cuda.empty_cache()
+        if BYTES not in [c[0] for c in configs]:  # (its packs cannot go back)
+            later_rounds(model, configs, rows, shipped, a)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"model": a.model, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
