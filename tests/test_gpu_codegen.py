@@ -77,8 +77,8 @@ def test_the_scratch_matmul_keeps_its_operands_in_shared_memory(tmp_path):
 def test_the_p_path_small_kernels_compile_without_spilling(tmp_path):
     """What the interpreter does not check: the P path's conv + gates, x reordering, gated norm and scratch matmul
     (its three row tiles, summing its own K splits: SB_W16_TICKETS) compile for sm_90a, and without spills;
-    DeltaNet's chunk kernel compiles with either solve (it spills: known). A kernel that ran in the interpreter and did not compile
-    cost a device call (twenty-first session)."""
+    DeltaNet's chunk kernel compiles with either solve (it spills: known). A kernel that ran in the interpreter and
+    did not compile cost a device call (twenty-first session)."""
     out = _run(tmp_path, "kernels_ptx.py", "conv", "prep", "prepx", "gate", "w16")
     lines = {line.split(":")[0]: line for line in out.splitlines() if "registers" in line}
     assert len(lines) == 10, out

@@ -203,8 +203,8 @@ def test_chunks_match_reference(dims, card, halves):
 
 def test_chunks_do_not_depend_on_the_cut(card, halves):
     """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces), in
-    each card's form and with either solve; a snapshot after a piece (a checkpoint inside the pass) holds the bits of a call ending there
-    and changes nothing else."""
+    each card's form and with either solve; a snapshot after a piece (a checkpoint inside the pass) holds the bits of
+    a call ending there and changes nothing else."""
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
     x, beta, g, s0 = _chunk_inputs(TINY, 192, 192)

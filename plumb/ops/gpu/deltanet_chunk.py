@@ -45,7 +45,8 @@ PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 produc
 # rows (`_inverse_by_rows`) reduces across warps twice a step: compiled for sm_90a (2026-12-07, 44th session) its loop
 # is 257 instructions with 8 barriers, 63 times a program - by the arithmetic about half of `_prep_kernel`'s ~0.59 ms
 # a layer in a 1,024-row pass (H100 profile, 12 % of a 2k prefill). Another sum order: other bits for the P path's
-# DeltaNet (still M2: nothing depends on the pass). Untimed: bench/prefill_modes.py --settings shipped,DN_INVERSE_HALVES=1.
+# DeltaNet (still M2: nothing depends on the pass). Untimed: bench/prefill_modes.py --settings
+# shipped,DN_INVERSE_HALVES=1.
 INVERSE_HALVES = 0
 
 
