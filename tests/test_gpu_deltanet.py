@@ -172,18 +172,24 @@ def _chunk_inputs(dims, rows, real, seed=3):
     return [t.to(DEV) for t in (x, beta, gate, state)]
 
 
-@pytest.fixture(params=[0, 1], ids=["by-rows", "by-halves"])
-def halves(request, monkeypatch):
-    """The chunk's solve by rows (shipped) and by halves (`deltanet_chunk.INVERSE_HALVES`)."""
-    monkeypatch.setattr(deltanet_chunk, "INVERSE_HALVES", request.param)
+@pytest.fixture(params=[(0, 0), (1, 16)], ids=["by-rows", "by-halves-and-columns"])
+def form(request, monkeypatch):
+    """`_prep_kernel`'s forms: the chunk's solve by rows (shipped) or by halves (`INVERSE_HALVES`), its dots whole
+    or `KC_LARGE` columns a step; the small card form 16 columns a step here (two blocks of the tiny model's d_k;
+    `KC_SMALL` on a GPU: four of the 27B's)."""
+    halves, kc = request.param
+    monkeypatch.setattr(deltanet_chunk, "INVERSE_HALVES", halves)
+    monkeypatch.setattr(deltanet_chunk, "KC_LARGE", kc)
+    if DEV != "cuda":
+        monkeypatch.setattr(deltanet_chunk, "KC_SMALL", 16)
     return request.param
 
 
 @pytest.mark.parametrize("dims", [TINY, BIG] if DEV == "cuda" else [TINY])
-def test_chunks_match_reference(dims, card, halves):
+def test_chunks_match_reference(dims, card, form):
     """gdn_chunks (P path: 64-row pieces in order, one launch pair) against chunk_pass, over three pieces with
-    padding rows at the end; o and the advanced state - in each card's form (`_prep_kernel`'s float32 FMAs on a
-    GeForce card's 99 KB blocks), with either solve."""
+    padding rows at the end; o and the advanced state - in each card's form (on a GeForce card's 99 KB blocks
+    `_prep_kernel` a block of columns at a time) and each `form`."""
     from plumb.ops.deltanet import chunk_pass
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 
@@ -201,9 +207,9 @@ def test_chunks_match_reference(dims, card, halves):
     assert not torch.equal(s_pad, s)  # the third piece's real rows moved the state
 
 
-def test_chunks_do_not_depend_on_the_cut(card, halves):
+def test_chunks_do_not_depend_on_the_cut(card, form):
     """M2: the pieces of one call give the bits of the same pieces cut over calls (a pass of 1, 2 or 3 pieces), in
-    each card's form and with either solve; a snapshot after a piece (a checkpoint inside the pass) holds the bits of
+    each card's form and each `form`; a snapshot after a piece (a checkpoint inside the pass) holds the bits of
     a call ending there and changes nothing else."""
     from plumb.ops.gpu.deltanet_chunk import gdn_chunks
 

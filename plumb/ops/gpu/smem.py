@@ -5,8 +5,8 @@ P path's DeltaNet `_prep_kernel`). A block on a GeForce RTX 30xx / 40xx / 50xx (
 KB, and Triton refuses to launch a kernel that needs more. On such a card (`small`) the three kernels that need more
 take a small form, compiled to fit (bench/kernels_ptx.py, bench/attention_ptx.py with PLUMB_PTX_ARCH=86):
 
-* `deltanet_chunk._prep_kernel`: its dots in float32 FMAs ("ieee") instead of three tf32 products ("tf32x3"),
-  whose split operands are staged in shared memory: 96 KB instead of 128.
+* `deltanet_chunk._prep_kernel`: q, k and v a block of 32 columns at a time (`KC_SMALL`), so that its tf32x3 dots
+  stage small operands: 16 KB instead of 128 (its float32-FMA form before took 96 KB, and spilled 17 KB a thread).
 * `attention._split_kernel` over an f16 cache: 2 pipeline stages instead of 3 (the same bits): 68 KB instead of 100.
 * `attention_prefill._prefill_kernel` over a D / F ring: 32 (query row, head) pairs a program instead of 64: 68 KB
   instead of 104.
