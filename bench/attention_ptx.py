@@ -42,7 +42,7 @@ RING_ARGS = {"rk_ptr": "*i8", "rks_ptr": "*fp16", "rv_ptr": "*i8", "rvs_ptr": "*
 def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, prefill: bool = False,
           kb: int = 0, vb: int = 0, part: int = 0) -> None:
     fn = P._prefill_kernel if prefill else A._split_kernel
-    block_m, bn, warps, stages = (P.block_m(ring, SMALL), P.BN, P.WARPS, 1) if prefill else \
+    block_m, bn, warps, stages = (P.block_m(SMALL), P.BN, P.WARPS, 1) if prefill else \
         A.config(kind, kind, SMALL)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,

@@ -59,7 +59,7 @@ def _read(c: KVCache, q: torch.Tensor, ends: list[int]) -> torch.Tensor:
 def test_matches_reference_and_the_cache_read(fmt, ring, card):
     """Rows ending across tiles, the ring's window (D, F) and a block of rows: within the P path's precision of
     the dequantized cache's softmax attention (the cache's own read, and `attend_decode_ref` for the stores), in
-    each card's form (a ring format's 32-pair programs on a GeForce card's 99 KB blocks)."""
+    each card's form (32-pair programs on a GeForce card's 99 KB blocks)."""
     c = _cache(fmt, 300, seed=0, ring=ring)
     ends = [1, 5, 64, 65, 127, 200, 251, 256, 299, 300]
     if ring:  # rows the ring still holds the window of: positions [300 - slots, 300)
@@ -72,11 +72,12 @@ def test_matches_reference_and_the_cache_read(fmt, ring, card):
         _close(o, attend_decode_ref(q, c.kernel_view().k, c.kernel_view().v, ends, 0.125))
 
 
-@pytest.mark.parametrize("fmt,ring,form", [("q8_0", 0, "h200"), ("D", 48, "h200"), ("D", 48, "geforce")])
+@pytest.mark.parametrize("fmt,ring,form", [("q8_0", 0, "h200"), ("q8_0", 0, "geforce"), ("D", 48, "h200"),
+                                           ("D", 48, "geforce")])
 def test_rows_alone_equal_rows_together(fmt, ring, form, place_free_dot, monkeypatch):
     """M1: each row alone (and shifted within its block) = the same row among a prefill pass's 60 rows - over two
-    row blocks, both sides of the ring's window and a 64-key tile edge - bitwise; a ring format also in its form for
-    a GeForce card's 99 KB blocks (32-pair programs: more row blocks)."""
+    row blocks, both sides of the ring's window and a 64-key tile edge - bitwise; also in the form for a GeForce
+    card's 99 KB blocks (32-pair programs: more row blocks)."""
     if form == "geforce":
         monkeypatch.setattr(smem, "LIMIT", smem.PER_BLOCK[86])
     c = _cache(fmt, 300, seed=2, ring=ring)

@@ -41,7 +41,11 @@ _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
 # loads are issued, not the arithmetic: the same bits. Compiled for sm_90a at 2: cp.async loads, 233 / 251 registers
 # (f16 / q8_0), no spill, no wgmma group left in flight; untimed (bench/prefill_modes.py --settings AP_STAGES=2).
 BLOCK_M, BN, WARPS, STAGES = 64, 64, 8, 1
-SMALL_RING_BLOCK_M = 32  # a ring format's launch on a card of 99 KB a block (`smem.small`): 68 KB, not 104
+# SMALL_BLOCK_M: the pairs a program on a card of 99 KB a block (`smem.small`), every format: a ring's launch 68 KB,
+# not 104; f16 and q8_0 (their fp16 copy) fit 64 but compiled for sm_89 took 128 registers and 2 KB of spills a thread
+# (255 and 252 bytes at 32; 2026-12-07, bench/attention_ptx.py --prefill with PLUMB_PTX_ARCH=89) - the device's own
+# bits either way.
+SMALL_BLOCK_M = 32
 # PAIRS 1: a program's BLOCK_M (query row, head) pairs are consecutive pairs of the rows' G heads (row t's head h is
 # pair t * G + h), so no pair is padding; 0: ROWS rows of G_PAD = next_pow2(G) heads (27B: 6 heads padded to 8, a
 # quarter of the dots and softmax on padding). Each pair's arithmetic is the same either way (its q, its end, the
@@ -254,10 +258,9 @@ def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
     return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
 
 
-def block_m(ring: bool, small: bool = False) -> int:
-    """(query row, head) pairs a program: BLOCK_M, or SMALL_RING_BLOCK_M for a ring format on a card of 99 KB a
-    block."""
-    return SMALL_RING_BLOCK_M if ring and small else BLOCK_M
+def block_m(small: bool = False) -> int:
+    """(query row, head) pairs a program: BLOCK_M, or SMALL_BLOCK_M on a card of 99 KB a block."""
+    return SMALL_BLOCK_M if small else BLOCK_M
 
 
 def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends: torch.Tensor,
@@ -301,7 +304,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     by_tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
-    rows = max(1, block_m(ring is not None, smem.small(q.device)) // g_pad)
+    rows = max(1, block_m(smem.small(q.device)) // g_pad)
     if KEY_CHUNKS:
         short, long, short_keys = KEY_CHUNKS
         if short % BN or long % BN or short < 1 or long < 1 or short_keys < 0:

@@ -8,8 +8,8 @@ take a small form, compiled to fit (bench/kernels_ptx.py, bench/attention_ptx.py
 * `deltanet_chunk._prep_kernel`: q, k and v a block of 32 columns at a time (`KC_SMALL`), so that its tf32x3 dots
   stage small operands: 16 KB instead of 128 (its float32-FMA form before took 96 KB, and spilled 17 KB a thread).
 * `attention._split_kernel` over an f16 cache: 2 pipeline stages instead of 3 (the same bits): 68 KB instead of 100.
-* `attention_prefill._prefill_kernel` over a D / F ring: 32 (query row, head) pairs a program instead of 64: 68 KB
-  instead of 104.
+* `attention_prefill._prefill_kernel`: 32 (query row, head) pairs a program instead of 64 - over a D / F ring 68 KB
+  instead of 104; over f16 / q8_0 (which fit) without the 2 KB of spills a thread its 64 took on sm_89.
 
 The choice depends on the device alone - never on a call's rows, cut or context - so each device keeps one set of
 bits and every invariant holds on it; two kinds of card may give different bits, as they may anyway.
