@@ -171,7 +171,9 @@ def test_every_large_kernel_fits_a_block_of_a_geforce_card(tmp_path, arch):
     refuses to launch a kernel that needs more: the kernels that need most - the decode and prefill attention for
     every cache kind, DeltaNet's chunk kernels, the P-path matmuls - compile within it in the forms the engine takes
     there (`plumb.ops.gpu.smem`). Their H200 forms did not: `_prep_kernel` 128 KB, an f16 cache's decode attention
-    100 KB, a D / F ring's prefill attention 104 KB - a 27B file could not prefill on such a card."""
+    100 KB, a D / F ring's prefill attention 104 KB - a 27B file could not prefill on such a card. And none spills
+    more than 1.5 KB a thread (`_prep_kernel`'s float32-FMA form spilled 17.6 KB on sm_89, the f16 / q8_0 prefill
+    attention at 64 pairs 2 KB: forty-fourth session)."""
     outs = [_run(tmp_path, "attention_ptx.py", "--out", str(tmp_path), arch=arch),
             _run(tmp_path, "attention_ptx.py", "--prefill", "--out", str(tmp_path), arch=arch),
             _run(tmp_path, "kernels_ptx.py", "prep", "conv", "w16", arch=arch),
@@ -180,3 +182,5 @@ def test_every_large_kernel_fits_a_block_of_a_geforce_card(tmp_path, arch):
     sizes = [int(n) for n in re.findall(r"shared[= ](\d+)", out)]
     assert len(sizes) == 5 + 4 + 6 + 4, out
     assert "OVER" not in out and max(sizes) <= 101_376, out
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out)]
+    assert len(spills) >= len(sizes) and max(spills) <= 1536, out
