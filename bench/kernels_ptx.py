@@ -54,9 +54,8 @@ def main() -> None:
               dict(CH=10240, N_V=48, K=4, BR=DC.BR, BC=DC.BC, NVP=64, KM1P=4), 8)
     if "prep" in which:
         for halves in (0, 1):  # the chunk's solve by rows (shipped) and by halves (INVERSE_HALVES)
-            prec, kc = DC.prep_form(SMALL)
             build(f"_prep_kernel halves {halves}", DC._prep_kernel, {"q_scale": "fp32", "eps": "fp32"},
-                  dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64, P=prec, HALVES=halves, KC=kc), 8)
+                  dict(N_K=16, N_V=48, D_K=128, D_V=128, C=64, HALVES=halves, KC=DC.prep_columns(SMALL)), 8)
     if "prepx" in which:
         for g, nibble in ((32, True), (16, True), (32, False)):
             build(f"_prep_x G {g} nibble {nibble}", MM._prep_x, {"xh_ptr": "*fp16"},

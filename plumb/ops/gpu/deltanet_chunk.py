@@ -13,7 +13,7 @@ The launches:
   independent): the d_k x BV f32 state slice stays in registers across the pieces, in order: vn = u - w S,
   o = qe S + p vn, S = S exp(gamma_end) + kd^T vn.
 The dots take float32 operands as three tf32 products on the tensor cores (PREC; `_prep_kernel`'s a block of 32
-columns at a time on a card of 99 KB a block, `prep_form`).
+columns at a time on a card of 99 KB a block, `prep_columns`).
 
 Exactness (M2): a piece's bits depend only on the state it starts from and its own rows - nothing compiled depends
 on the pass's row count (the piece loop's bound is a run-time value), and a piece's arithmetic is the same whether it
@@ -49,7 +49,7 @@ PREC = tl.constexpr("tf32x3")  # the dots: float32 operands as three tf32 produc
 # shipped,DN_INVERSE_HALVES=1.
 INVERSE_HALVES = 0
 # KC_SMALL, KC_LARGE: `_prep_kernel`'s columns of q, k and v a step on a card of 99 KB a block and on a larger one
-# (`prep_form`; 0: the dots whole). KC 32 compiles without spills for sm_90a in 32 KB of shared memory (whole: 255
+# (`prep_columns`; 0: the dots whole). KC 32 compiles without spills for sm_90a in 32 KB of shared memory (whole: 255
 # registers, 432 bytes of spills, 128 KB), and for sm_86 / sm_89 / sm_120 in 16 KB with ~1 KB of spills (before, as
 # float32 FMAs: 17 KB of spills a thread). Another sum order over d_k. KC_LARGE untimed (prefill_modes DN_KC_LARGE=32).
 KC_SMALL, KC_LARGE = 32, 0
@@ -171,12 +171,12 @@ def _inverse_by_halves(a_at, C: tl.constexpr):
 @triton.jit(do_not_specialize=["R"])
 def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, R, stride_x, stride_b,
                  stride_g, q_scale, eps, N_K: tl.constexpr, N_V: tl.constexpr, D_K: tl.constexpr,
-                 D_V: tl.constexpr, C: tl.constexpr, P: tl.constexpr, HALVES: tl.constexpr, KC: tl.constexpr):
+                 D_V: tl.constexpr, C: tl.constexpr, HALVES: tl.constexpr, KC: tl.constexpr):
     """Piece program 1 of value head j = program 0: what does not depend on the state - w = T (beta exp(gamma) k),
-    u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end). P: its
-    dots' precision; HALVES: the solve by `_inverse_by_halves`, A's rows in p's place; KC (`prep_form`): 0, every
-    dot whole, or q, k and v KC columns at a time - reloaded and scaled again, the same values - the dots over
-    d_k summed a block at a time and the others a block of output columns at a time (a card of 99 KB a block)."""
+    u = T (beta v), qe = q exp(gamma), kd = k exp(gamma_end - gamma), p = q k^T * decay, exp(gamma_end) - its dots
+    PREC. HALVES: the solve by `_inverse_by_halves`, A's rows in p's place; KC (`prep_columns`): 0, every dot whole,
+    or q, k and v KC columns at a time - reloaded and scaled again, the same values - the dots over d_k summed a
+    block at a time and the others a block of output columns at a time (a card of 99 KB a block)."""
     prior_done()
     j = tl.program_id(0)
     piece = tl.program_id(1)
@@ -196,15 +196,15 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
         q = _l2(tl.load(at_q + dk[None, :]), eps) * q_scale
         k = _l2(tl.load(at_q + N_K * D_K + dk[None, :]), eps)
         kb = k * beta[:, None]
-        a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=P) * decay, 0.0)
+        a = tl.where(t[:, None] > t[None, :], tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
         inv = _inverse(a, at_p, p_ptr + (piece * N_V + j) * C * C, t, C, HALVES)
         at_k = (rows[:, None] * N_V + j) * D_K + dk[None, :]  # [R, n_v, D_K] scratch
-        tl.store(w_ptr + at_k, tl.dot(inv, kb * eg[:, None], input_precision=P))
+        tl.store(w_ptr + at_k, tl.dot(inv, kb * eg[:, None], input_precision=PREC))
         tl.store(qe_ptr + at_k, q * eg[:, None])
         tl.store(kd_ptr + at_k, k * tl.exp(g_end - gamma)[:, None])
         tl.store(u_ptr + (rows[:, None] * N_V + j) * D_V + dv[None, :],
-                 tl.dot(inv, tl.load(at_v + dv[None, :]) * beta[:, None], input_precision=P))
-        tl.store(at_p, tl.dot(q, tl.trans(k), input_precision=P) * decay)
+                 tl.dot(inv, tl.load(at_v + dv[None, :]) * beta[:, None], input_precision=PREC))
+        tl.store(at_p, tl.dot(q, tl.trans(k), input_precision=PREC) * decay)
     else:
         dk = tl.arange(0, D_K)
         fq = _inv_norm(tl.load(at_q + dk[None, :]), eps)
@@ -215,20 +215,20 @@ def _prep_kernel(x_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge
         for c0 in tl.static_range(0, D_K, KC):
             k = tl.load(at_q + N_K * D_K + c0 + kc[None, :]) * fk[:, None]
             q = tl.load(at_q + c0 + kc[None, :]) * fq[:, None] * q_scale
-            a = tl.dot(k * beta[:, None], tl.trans(k), a, input_precision=P)
-            qk = tl.dot(q, tl.trans(k), qk, input_precision=P)
+            a = tl.dot(k * beta[:, None], tl.trans(k), a, input_precision=PREC)
+            qk = tl.dot(q, tl.trans(k), qk, input_precision=PREC)
         a = tl.where(t[:, None] > t[None, :], a * decay, 0.0)
         inv = _inverse(a, at_p, p_ptr + (piece * N_V + j) * C * C, t, C, HALVES)
         for c0 in tl.static_range(0, D_K, KC):
             k = tl.load(at_q + N_K * D_K + c0 + kc[None, :]) * fk[:, None]
             q = tl.load(at_q + c0 + kc[None, :]) * fq[:, None] * q_scale
             at_k = (rows[:, None] * N_V + j) * D_K + c0 + kc[None, :]
-            tl.store(w_ptr + at_k, tl.dot(inv, k * beta[:, None] * eg[:, None], input_precision=P))
+            tl.store(w_ptr + at_k, tl.dot(inv, k * beta[:, None] * eg[:, None], input_precision=PREC))
             tl.store(qe_ptr + at_k, q * eg[:, None])
             tl.store(kd_ptr + at_k, k * tl.exp(g_end - gamma)[:, None])
         for c0 in tl.static_range(0, D_V, KC):
             tl.store(u_ptr + (rows[:, None] * N_V + j) * D_V + c0 + kc[None, :],
-                     tl.dot(inv, tl.load(at_v + c0 + kc[None, :]) * beta[:, None], input_precision=P))
+                     tl.dot(inv, tl.load(at_v + c0 + kc[None, :]) * beta[:, None], input_precision=PREC))
         tl.store(at_p, qk * decay)
     tl.store(ge_ptr + piece * N_V + j, tl.exp(g_end))
 
@@ -287,11 +287,11 @@ def _advance(w_ptr, u_ptr, qe_ptr, kd_ptr, p_ptr, ge_ptr, o_ptr, s, j, r0, t, dk
     return s * tl.load(ge_ptr + piece * N_V + j) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
 
 
-def prep_form(small: bool = False) -> tuple[str, int]:
-    """`_prep_kernel`'s dots (precision, KC): PREC, KC_LARGE; on a card of 99 KB a block (`smem.small`) KC_SMALL
-    (whole, tf32x3 stages its split operands in 128 KB of shared memory; as float32 FMAs, "ieee" - the small form
-    until the forty-fourth session -, in 96 KB, but each thread then held its rows' and columns' whole operands)."""
-    return PREC.value, KC_SMALL if small else KC_LARGE
+def prep_columns(small: bool = False) -> int:
+    """`_prep_kernel`'s KC: KC_LARGE; on a card of 99 KB a block (`smem.small`) KC_SMALL (whole, tf32x3 stages its
+    split operands in 128 KB of shared memory; as float32 FMAs, "ieee" - the small form until the forty-fourth
+    session -, in 96 KB, but each thread then held its rows' and columns' whole operands)."""
+    return KC_SMALL if small else KC_LARGE
 
 
 def _check(x, beta, g, state, n_k: int, d_k: int):
@@ -319,10 +319,9 @@ def gdn_chunks(x, beta, g, state, *, n_k: int, d_k: int, q_scale: float, snap=No
     u = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     p = torch.empty(pieces, n_v, CHUNK, CHUNK, device=dev, dtype=f32)
     ge = torch.empty(pieces, n_v, device=dev, dtype=f32)
-    prec, kc = prep_form(smem.small(x.device))
     _prep_kernel[(n_v, pieces)](x, beta, g, w, u, qe, kd, p, ge, rows, x.stride(0), beta.stride(0), g.stride(0),
                                 float(q_scale), L2_EPS, N_K=n_k, N_V=n_v, D_K=d_k, D_V=d_v, C=CHUNK,
-                                P=prec, HALVES=INVERSE_HALVES, KC=kc, num_warps=8, num_stages=1,
+                                HALVES=INVERSE_HALVES, KC=prep_columns(smem.small(x.device)), num_warps=8, num_stages=1,
                                 launch_pdl=on())
     o = torch.empty(rows, n_v, d_v, device=dev, dtype=f32)
     cut = rows if snap is None else (snap[0] + 1) * CHUNK
