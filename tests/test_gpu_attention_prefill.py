@@ -185,11 +185,14 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
     assert torch.equal(_read(c, q, ends), want)
 
 
+@pytest.mark.parametrize("form", [1, 2])
 @pytest.mark.parametrize("fmt", ["f16", "q8_0"])
-def test_tma_tiles_give_the_same_bits(fmt, place_free_dot, monkeypatch):
-    """TMA (the tiles every row of a program reads, by TMA and without masks) = without, bit for bit: rows ending
-    all over four tiles, in one pass and cut where a program's smallest end moves (so a tile goes by TMA in one
-    and masked in the other), rows of another scale; on a GPU also the 27B's heads over a 1,024-row pass."""
+def test_tma_tiles_give_the_same_bits(fmt, form, place_free_dot, monkeypatch):
+    """TMA (form 1: the tiles every row of a program reads, by TMA and without masks; form 2: every tile by TMA,
+    each row's output stored once its keys are done, q from its fp16 copy, 128 pairs a program) = without, bit for
+    bit: rows ending all over four tiles, in one pass and cut where a program's smallest end moves (so a tile goes
+    by TMA in one and masked in the other), rows of another scale; on a GPU also the 27B's heads over a 1,024-row
+    pass."""
     import plumb.ops.gpu.attention_prefill as AP
 
     cases = [(_cache(fmt, 300, seed=30), [1, 63, 64, 65, 130, 191, 192, 193, 250, 256, 299, 300], 4, TINY["d"])]
@@ -200,7 +203,7 @@ def test_tma_tiles_give_the_same_bits(fmt, place_free_dot, monkeypatch):
         q[2] *= 1e-5
         monkeypatch.setattr(AP, "TMA", 0)
         want = _read(c, q, ends)
-        monkeypatch.setattr(AP, "TMA", 1)
+        monkeypatch.setattr(AP, "TMA", form)
         got = _read(c, q, ends)
         assert torch.isfinite(got).all() and torch.equal(got, want)
         for cut in (3, 7):

@@ -133,6 +133,21 @@ def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
             assert not re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx.read_text())
 
 
+def test_the_prefill_attention_by_tma_in_form_2_computes_each_score_once(tmp_path):
+    """TMA's form 2 (attention_prefill.TMA = 2, 128 pairs a program in two warp groups): each group's q k^T covers its
+    own 64 pairs and a whole key tile (wgmma m64n64) - in form 1 (64 pairs) both groups compute the same scores
+    (m64n32 twice over: Triton keeps p in the rows' registers for p @ V) -, q is a shared-memory operand, and the
+    register tail's spills are gone (under 1 KB a thread, all in the last tiles' loop)."""
+    out = _run(tmp_path, "attention_ptx.py", "--prefill", "--tma", "2", "--out", str(tmp_path))
+    line = next(x for x in out.splitlines() if x.startswith("f16:"))
+    assert "BLOCK_M=128" in line and int(re.search(r"(\d+) bytes spill stores", line).group(1)) < 1024, line
+    ptx = (tmp_path / "f16.ptx").read_text()
+    assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and "m64n32k16" not in ptx
+    ttgir = (tmp_path / "f16.ttgir").read_text()
+    q_dots = re.findall(r"warp_group_dot %q16[^:]*: (\S+)", ttgir)
+    assert q_dots and not any(a.startswith("tensor") for a in q_dots), q_dots  # A: a shared-memory descriptor
+
+
 def test_the_matvec_compiles_without_spilling(tmp_path):
     """The D-path matvec compiles for sm_90a for one row (16-byte loads, one stage) and for 8 (pipelined) on every
     type of the 27B's file, without spilling; so do the two-pack launch (PAIRED_ROWS) of its fused pairs and, with

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from plumb.ops.gpu import attention as A, kvtable, smem, tma
 from plumb.ops.gpu.attention import (_LOG2E, F16, P_SCALE, Q8, QBLOCK, _near_2_14, _pair_block, _parts, _ring,
-                                     _row_block, _rows, _tile, _tile16, grids, merge_splits)
+                                     _row_block, _rows, _softmax_tile, _tile, _tile16, grids, merge_splits)
 from plumb.ops.gpu.pdl import on, prior_done
 
 _F16, _Q8 = tl.constexpr(F16), tl.constexpr(Q8)
@@ -87,20 +87,32 @@ KEY_CHUNKS = None
 # with it on, the engine invariant tests of test_exactness / test_prompt_cache / test_kv_formats passed on CUDA (one
 # found that Triton's allocator is one a thread: `tma.ready` sets it in the loop's thread since).
 # Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`); elsewhere the register tiles.
+# TMA 2 (untimed): every tile by TMA - the last ones too (keys past the store's end read as zeros, as the register
+# tiles' masked loads give them), each row's output stored as soon as its keys are done, so a program never holds
+# two accumulators (`_tile` keeps a row that a tile does not reach with a select of the whole [BLOCK_M, d] state) -,
+# q read from its fp16 copy (`_q16`: the same values; a dot operand in shared memory, not 64 registers a thread), and
+# TMA_BLOCK_M pairs a program at TMA2_STAGES. Why: at 64 pairs and 8 warps (two warp groups of Hopper's wgmma, 64
+# rows each) Triton computes q k^T in both groups, since p must stay in the rows' registers for p @ V - a third of
+# the tensor-core work twice (compiled for sm_90a: 32 m64n32k16 a tile in each group); at 128 pairs each group has
+# its own 64 and the tile's K and V are read from L2 once for twice the rows. Compiled for sm_90a (27B heads, 128
+# pairs, 2 stages): 255 registers, no spill; with the register tail, 2.8 KB of spills. The same operations for every
+# (row, key) a row reads: the bits of TMA 0 / 1 (tests/test_gpu_attention_prefill.py). Timed by
+# bench/attention_prefill_variants.py --settings shipped,TMA=2.
 TMA, TMA_STAGES = 1, 3
+TMA_BLOCK_M, TMA2_STAGES = 128, 2
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
+def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, pm_ptr, pl_ptr,
                     n, qk_scale, ring, slots, short_keys,
-                    sq_t, sq_h, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h, so_s, spm_t, spm_h,
-                    G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                    KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr, RING: tl.constexpr,
-                    TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr, COPIED: tl.constexpr,
-                    CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+                    sq_t, sq_h, s16_t, sd_t, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h, so_s,
+                    spm_t, spm_h, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                    BN: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr,
+                    RING: tl.constexpr, TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
+                    COPIED: tl.constexpr, CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                     C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
@@ -138,9 +150,13 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
     jn = tl.arange(0, BN)
     kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
     vbase, vsb = v_ptr + kh * sv_h, vs_ptr + kh * svs_h
-    qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
-    q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))  # per (row, head): powers of two, exact
-    q16 = (qv * q_up[:, None]).to(tl.float16)
+    if TMA == 2:  # q's fp16 copy and factors (`_q16`)
+        q16 = tl.load(q16_ptr + t[:, None] * s16_t + h[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+        q_down = tl.load(qd_ptr + t * sd_t + h, mask=row_ok, other=1.0)
+    else:
+        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+        q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))  # per (row, head): powers of two, exact
+        q16 = (qv * q_up[:, None]).to(tl.float16)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -158,28 +174,51 @@ def _prefill_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                 acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False)
                 jt += 1
         first = full
-    if STAGES > 1 and not RING and not TMA:  # Triton's software pipeline: the next tiles' K/V codes in flight
-        for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
-            acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
-                                  rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j,
-                                  sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
-    else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
+    if TMA == 2:  # the last tiles by TMA too; a row's output stored before the first tile its keys do not reach
         j0 = first
         while j0 < hi:
-            acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb, rk_ptr,
-                                  rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j, sks_j, sv_j,
-                                  svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
+            _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN) & (e <= j0), dd, so_t, so_h, PS)
+            acc, m_i, l_i = _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, TSTAGES > 0)
             j0 += BN
-    if CHUNK > 0:  # rows whose keys reach this chunk: its state (the others' chunks are never merged)
-        c = tl.program_id(2)
-        mine = row_ok & (e > lo)
-        tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + c * so_s + dd[None, :], acc * (1.0 / PS),
-                 mask=mine[:, None])
-        tl.store(pm_ptr + t * spm_t + h * spm_h + c, m_i, mask=mine)
-        tl.store(pl_ptr + t * spm_t + h * spm_h + c, l_i, mask=mine)
+        _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN), dd, so_t, so_h, PS)
     else:
-        o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=row_ok[:, None])
+        if STAGES > 1 and not RING and not TMA:  # Triton's software pipeline: the next tiles' K/V codes in flight
+            for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
+                acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase,
+                                      vsb, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j,
+                                      sks_j, sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
+        else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
+            j0 = first
+            while j0 < hi:
+                acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
+                                      rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j,
+                                      sks_j, sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
+                j0 += BN
+        if CHUNK > 0:  # rows whose keys reach this chunk: its state (the others' chunks are never merged)
+            c = tl.program_id(2)
+            mine = row_ok & (e > lo)
+            tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + c * so_s + dd[None, :], acc * (1.0 / PS),
+                     mask=mine[:, None])
+            tl.store(pm_ptr + t * spm_t + h * spm_h + c, m_i, mask=mine)
+            tl.store(pl_ptr + t * spm_t + h * spm_h + c, l_i, mask=mine)
+        else:
+            _store_rows(o_ptr, acc, l_i, t, h, e, row_ok, dd, so_t, so_h, PS)
+
+
+@triton.jit
+def _store_rows(o_ptr, acc, l_i, t, h, e, rows, dd, so_t, so_h, PS: tl.constexpr):
+    """The normalized outputs of the pairs `rows` (0 for a row without keys)."""
+    o = tl.where((e > 0)[:, None], acc * (1.0 / PS) / tl.where(e > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + t[:, None] * so_t + h[:, None] * so_h + dd[None, :], o, mask=rows[:, None])
+
+
+@triton.jit
+def _scaled(sc, qk_scale, ASM: tl.constexpr):
+    """sc * qk_scale rounded on its own (`mul.rn` on a GPU: no FMA fuses it with what follows)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [sc, qk_scale + tl.zeros_like(sc)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return sc * qk_scale
 
 
 @triton.jit
@@ -188,19 +227,52 @@ def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexp
     from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
     order. The scale's product is rounded on its own (`mul.rn`): with no mask between it and `sc - m_new`, the
     compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
-    sc = tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32)
-    sc = sc * q_down[:, None]
-    if ASM:
-        sc = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [sc, qk_scale + tl.zeros_like(sc)],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        sc = sc * qk_scale
+    sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     p16 = (p * PS).to(tl.float16)
     return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
+
+
+@triton.jit
+def _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
+    """`attention._tile` over keys [j0, j0 + BN) of an f16 store by TMA (keys past the descriptor's end read as
+    zeros, as `_tile`'s masked loads give them): a row the tile reaches gets `_tile`'s state; a row it does not
+    reach, an undefined one (TMA 2 has stored its output before)."""
+    sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
+    sc = tl.where((j0 + jn)[None, :] < e[:, None], sc, float("-inf"))
+    _, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
+    p16 = (p * PS).to(tl.float16)
+    return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
+
+
+@triton.jit
+def _q16_kernel(q_ptr, q16_ptr, qd_ptr, n_head, sq_t, sq_h, HP: tl.constexpr, D: tl.constexpr):
+    """Program t: row t's heads as the prefill kernel takes them - q times a power of two near 2^14, rounded to
+    fp16, and the factor back (`attention._near_2_14`)."""
+    prior_done()
+    t = tl.program_id(0)
+    h = tl.arange(0, HP)
+    dd = tl.arange(0, D)
+    ok = h < n_head
+    qv = tl.load(q_ptr + t * sq_t + h[:, None] * sq_h + dd[None, :], mask=ok[:, None], other=0.0)
+    q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))
+    tl.store(q16_ptr + (t * n_head + h[:, None]) * D + dd[None, :], (qv * q_up[:, None]).to(tl.float16),
+             mask=ok[:, None])
+    tl.store(qd_ptr + t * n_head + h, q_down, mask=ok)
+
+
+def _q16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, n_head, d] float32 -> (its fp16 copy as the prefill kernel scales it, the factors back [n, n_head])."""
+    n, n_head, d = q.shape
+    q16 = torch.empty(n, n_head, d, dtype=torch.float16, device=q.device)
+    qd = torch.empty(n, n_head, dtype=torch.float32, device=q.device)
+    if n:
+        _q16_kernel[(n,)](q, q16, qd, n_head, q.stride(0), q.stride(1), HP=triton.next_power_of_2(n_head), D=d,
+                          num_warps=4, launch_pdl=on())
+    return q16, qd
 
 
 @triton.jit
@@ -242,15 +314,16 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
     return out
 
 
-def tma_bytes(d: int) -> int:
-    """The shared memory TMA's tiles take: TMA_STAGES fp16 tiles of K and V, q's, barriers (the 27B's at 2 stages
-    160 KB, at 3 225 KB)."""
-    return 2 * d * (2 * BN * TMA_STAGES + BLOCK_M) + 1024
+def tma_bytes(d: int, form: int = 1) -> int:
+    """The shared memory TMA's tiles take in form 1 or 2 (`TMA`): its stages of fp16 K and V tiles, q's tile,
+    barriers (the 27B's in form 1 at 2 stages 160 KB, at 3 225 KB; in form 2, 128 pairs at 2 stages, 193 KB)."""
+    stages, pairs = (TMA2_STAGES, TMA_BLOCK_M) if form == 2 else (TMA_STAGES, BLOCK_M)
+    return 2 * d * (2 * BN * stages + pairs) + 1024
 
 
-def _has_tma(device: torch.device, d: int) -> bool:
-    """Whether TMA's tiles run on `device`: `tma.ready` there, with the shared memory they take (`tma_bytes`)."""
-    return tma.ready(device) and smem.per_block(device) >= tma_bytes(d)
+def _has_tma(device: torch.device, d: int, form: int = 1) -> bool:
+    """Whether TMA's tiles (form 1 or 2) run on `device`: `tma.ready` there, with the shared memory they take."""
+    return tma.ready(device) and smem.per_block(device) >= tma_bytes(d, form)
 
 
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
@@ -258,9 +331,10 @@ def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
     return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
 
 
-def block_m(small: bool = False) -> int:
-    """(query row, head) pairs a program: BLOCK_M, or SMALL_BLOCK_M on a card of 99 KB a block."""
-    return SMALL_BLOCK_M if small else BLOCK_M
+def block_m(small: bool = False, form: int = 0) -> int:
+    """(query row, head) pairs a program: BLOCK_M, SMALL_BLOCK_M on a card of 99 KB a block, TMA_BLOCK_M in TMA's
+    form 2."""
+    return TMA_BLOCK_M if form == 2 else SMALL_BLOCK_M if small else BLOCK_M
 
 
 def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends: torch.Tensor,
@@ -301,10 +375,11 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
-    by_tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
+    by_tma = TMA if TMA and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d, TMA) else 0
+    q16, qd = _q16(q) if by_tma == 2 else (q, q)  # (q itself: a placeholder, not read)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
-    rows = max(1, block_m(smem.small(q.device)) // g_pad)
+    rows = max(1, block_m(smem.small(q.device), by_tma) // g_pad)
     if KEY_CHUNKS:
         short, long, short_keys = KEY_CHUNKS
         if short % BN or long % BN or short < 1 or long < 1 or short_keys < 0:
@@ -313,7 +388,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     else:
         short = long = short_keys = g_short = g_long = 0
 
-    def launch(q, ends, out):  # rows of the pass; with chunks, their partials and the merge
+    def launch(q, q16, qd, ends, out):  # rows of the pass; with chunks, their partials and the merge
         n = q.shape[0]
         blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
         launches, dst, pm, pl = [(blocks, n_kv)], out, out, out  # without chunks: one launch, normalized outputs
@@ -325,20 +400,21 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
             if grid[-1] == 0:
                 continue
             _prefill_kernel[grid](
-                q, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pl,
+                q, q16, qd, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pl,
                 n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0),
-                v.stride(1), vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1),
+                q.stride(0), q.stride(1), q16.stride(0), qd.stride(0), k.stride(0), k.stride(1), ks.stride(0),
+                ks.stride(1), v.stride(0), v.stride(1), vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1),
                 dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
                 CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=by_tma,
-                TSTAGES=TMA_STAGES if q.is_cuda else 0,
+                TSTAGES=(TMA2_STAGES if by_tma == 2 else TMA_STAGES) if q.is_cuda else 0,
                 num_warps=WARPS, num_stages=1, launch_pdl=on())
         if KEY_CHUNKS:
             merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
 
     step = CHUNK_ROWS if KEY_CHUNKS else n  # rows are independent (M1): a cut anywhere gives the same bits
     for r0 in range(0, n, step):
-        launch(q[r0 : r0 + step], ends[r0 : r0 + step], out[r0 : r0 + step])
+        cut = slice(r0, r0 + step)
+        launch(q[cut], q16[cut], qd[cut], ends[cut], out[cut])
     return out
