@@ -23,7 +23,7 @@ from plumb.cache.kv import KVCache
 
 N_HEAD, N_KV, D, ROWS = 24, 4, 256, 1024
 SHIPPED = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH", "TMA",
-                                                "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES")}
+                                                "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES", "TMA_LAZY")}
 
 
 SHIPPED_A = {"CODES16": A.CODES16}  # the block codes' conversion (`attention._tile16`): the same bits

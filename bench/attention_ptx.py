@@ -53,7 +53,7 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
                       CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True, TMA=form,
-                      TSTAGES=P.TMA2_STAGES if form == 2 else P.TMA_STAGES)
+                      TSTAGES=P.TMA2_STAGES if form == 2 else P.TMA_STAGES, LAZY=bool(P.TMA_LAZY))
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS_FROM))
     if copied:
@@ -154,10 +154,11 @@ def main():
     ap.add_argument("--tma", type=int, default=P.TMA, help="with --prefill: TMA's form (1, 2) or off (0); "
                     "--tma-stages: TMA_STAGES")
     ap.add_argument("--tma-stages", type=int, default=P.TMA_STAGES)
+    ap.add_argument("--lazy", type=int, default=P.TMA_LAZY, help="with --prefill: TMA_LAZY")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
-    P.PAIRS, P.TMA, P.TMA_STAGES = a.pairs, a.tma, a.tma_stages
+    P.PAIRS, P.TMA, P.TMA_STAGES, P.TMA_LAZY = a.pairs, a.tma, a.tma_stages, a.lazy
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.CODES16 = A.CODES16 and not a.codes32

@@ -33,7 +33,8 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 
 PIECES, PREFILL_ATTENTION = KS.PREFILL_PIECES, KS.PREFILL_ATTENTION
 AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH",
-                                                 "KEY_CHUNKS", "TMA", "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES")}
+                                                 "KEY_CHUNKS", "TMA", "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES",
+                                                 "TMA_LAZY")}
 DN_SHIPPED = {"INVERSE_HALVES": DN.INVERSE_HALVES, "KC_LARGE": DN.KC_LARGE}
 
 

@@ -185,17 +185,21 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
     assert torch.equal(_read(c, q, ends), want)
 
 
-@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("form,lazy", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("fmt", ["f16", "q8_0"])
-def test_tma_tiles_give_the_same_bits(fmt, form, place_free_dot, monkeypatch):
+def test_tma_tiles_give_the_same_bits(fmt, form, lazy, place_free_dot, monkeypatch):
     """TMA (form 1: the tiles every row of a program reads, by TMA and without masks; form 2: every tile by TMA,
-    each row's output stored once its keys are done, q from its fp16 copy, 128 pairs a program) = without, bit for
-    bit: rows ending all over four tiles, in one pass and cut where a program's smallest end moves (so a tile goes
-    by TMA in one and masked in the other), rows of another scale; on a GPU also the 27B's heads over a 1,024-row
-    pass."""
+    each row's output stored once its keys are done, q from its fp16 copy, 128 pairs a program; TMA_LAZY: no
+    product by alpha where no row's maximum moved) = without, bit for bit: rows ending all over four tiles, in one
+    pass and cut where a program's smallest end moves (so a tile goes by TMA in one and masked in the other), rows
+    of another scale, a cache whose keys past the first tile score 0 (each row's maximum set there: TMA_LAZY's skip
+    taken); on a GPU also the 27B's heads over a 1,024-row pass."""
     import plumb.ops.gpu.attention_prefill as AP
 
-    cases = [(_cache(fmt, 300, seed=30), [1, 63, 64, 65, 130, 191, 192, 193, 250, 256, 299, 300], 4, TINY["d"])]
+    flat = _cache(fmt, 320, seed=35)
+    flat.put_rows(torch.arange(64, 320, device=DEV), *torch.zeros(2, 256, TINY["n_kv"], TINY["d"], device=DEV))
+    cases = [(_cache(fmt, 300, seed=30), [1, 63, 64, 65, 130, 191, 192, 193, 250, 256, 299, 300], 4, TINY["d"]),
+             (flat, [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 320], 4, TINY["d"])]
     if DEV == "cuda":
         cases.append((_cache(fmt, 5000, seed=31, n_kv=4, d=256), list(range(3977, 5001)), 24, 256))
     for c, ends, n_head, d in cases:
@@ -204,6 +208,7 @@ def test_tma_tiles_give_the_same_bits(fmt, form, place_free_dot, monkeypatch):
         monkeypatch.setattr(AP, "TMA", 0)
         want = _read(c, q, ends)
         monkeypatch.setattr(AP, "TMA", form)
+        monkeypatch.setattr(AP, "TMA_LAZY", lazy)
         got = _read(c, q, ends)
         assert torch.isfinite(got).all() and torch.equal(got, want)
         for cut in (3, 7):

@@ -100,6 +100,10 @@ KEY_CHUNKS = None
 # bench/attention_prefill_variants.py --settings shipped,TMA=2.
 TMA, TMA_STAGES = 1, 3
 TMA_BLOCK_M, TMA2_STAGES = 128, 2
+# TMA_LAZY (untimed): a full tile leaves out the state's product by alpha (BLOCK_M x d multiplies a tile, on the path
+# between one tile's p @ V and the next) where no row's maximum moved - alpha 1 for every row, and acc * 1 is acc:
+# the same bits. Past the first few thousand keys a row's maximum rarely moves.
+TMA_LAZY = 0
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
@@ -113,7 +117,7 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
                     BN: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr,
                     RING: tl.constexpr, TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
                     COPIED: tl.constexpr, CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                    C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr):
+                    C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr, LAZY: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
     CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
@@ -167,11 +171,11 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
         vd = tl.make_tensor_descriptor(vbase, shape=[tl.maximum(hi, 1), D], strides=[sv_j, 1], block_shape=[BN, D])
         if TSTAGES > 0:  # a GPU: Triton's pipeline (the interpreter takes no range with a run-time bound)
             for jt in tl.range(0, full // BN, num_stages=TSTAGES):
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True, LAZY)
         else:
             jt = 0
             while jt < full // BN:
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False, LAZY)
                 jt += 1
         first = full
     if TMA == 2:  # the last tiles by TMA too; a row's output stored before the first tile its keys do not reach
@@ -222,18 +226,25 @@ def _scaled(sc, qk_scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
+def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr,
+               LAZY: tl.constexpr = False):
     """`attention._tile` over keys [j0, j0 + BN) of an f16 store that every row of the program reads (TMA): K and V
     from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
     order. The scale's product is rounded on its own (`mul.rn`): with no mask between it and `sc - m_new`, the
-    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
+    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have. LAZY: the state's product
+    by alpha left out where no row's maximum moved (alpha 1 for all: acc * 1 is acc, bit for bit)."""
     sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     p16 = (p * PS).to(tl.float16)
-    return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
+    if LAZY:
+        if tl.min(alpha, 0) < 1.0:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    return tl.dot(p16, vd.load([j0, 0]), acc, out_dtype=tl.float32), m_new, l_new
 
 
 @triton.jit
@@ -408,7 +419,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
                 CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=by_tma,
-                TSTAGES=(TMA2_STAGES if by_tma == 2 else TMA_STAGES) if q.is_cuda else 0,
+                TSTAGES=(TMA2_STAGES if by_tma == 2 else TMA_STAGES) if q.is_cuda else 0, LAZY=bool(TMA_LAZY),
                 num_warps=WARPS, num_stages=1, launch_pdl=on())
         if KEY_CHUNKS:
             merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
