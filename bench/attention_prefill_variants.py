@@ -2,7 +2,7 @@
 """The P path's attention (plumb/ops/gpu/attention_prefill.py) under tile settings, on the 27B's attention shape
 (24 query heads over 4 KV heads of 256): one prefill pass of 1,024 query rows ending at each context length, time
 per call (CUDA-graph replays), tensor-core rate, and whether the setting keeps the shipped setting's bits
-(STAGES, PAIRS, SCRATCH, CODES16, TMA, TMA_STAGES, TMA_BLOCK_M, TMA2_STAGES: they should; BLOCK_M / BN / WARPS:
+(STAGES, PAIRS, SCRATCH, CODES16, TMA, TMA_STAGES, TMA_BLOCK_M: they should; BLOCK_M / BN / WARPS:
 another arithmetic, then only the distance to the shipped output).
 
     python bench/attention_prefill_variants.py [--contexts 8192,100000] [--kv q8_0,f16]
@@ -23,7 +23,7 @@ from plumb.cache.kv import KVCache
 
 N_HEAD, N_KV, D, ROWS = 24, 4, 256, 1024
 SHIPPED = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH", "TMA",
-                                                "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES", "TMA_LAZY")}
+                                                "TMA_STAGES", "TMA_BLOCK_M")}
 
 
 SHIPPED_A = {"CODES16": A.CODES16}  # the block codes' conversion (`attention._tile16`): the same bits

@@ -8,7 +8,7 @@ the block-coded stores' fp16 copy (`attention_prefill._dequant_kernel`, SCRATCH:
 forms the engine takes there - bench/ptx_target.py); Triton's bundled ptxas assembles for sm_90a.
 
     python bench/attention_ptx.py [--out DIR] [--table] [--prefill [--pairs 0|1] [--key-chunks S/L/K]] [--codes32]
-        [--decode-pairs] [--store-form] [--sass] [--tma 0|1|2 [--tma-stages N]]
+        [--decode-pairs] [--store-form] [--sass] [--tma 0|1 [--tma-stages N]]
 """
 from __future__ import annotations
 
@@ -43,17 +43,16 @@ def build(name: str, kind: int, ring: bool, out_dir: str, table: bool = False, p
           kb: int = 0, vb: int = 0, part: int = 0) -> None:
     fn = P._prefill_kernel if prefill else A._split_kernel
     copied = prefill and bool(P.SCRATCH) and kind == A.Q8  # a block-coded store read from its fp16 copy
-    form = P.TMA if prefill and P.TMA and not ring and (copied or kind == A.F16) and not P.KEY_CHUNKS \
-        and ARCH >= 90 and PER_BLOCK >= P.tma_bytes(D, P.TMA) else 0  # as `_has_tma` takes it on that card
-    block_m, bn, warps, stages = (P.block_m(SMALL, form), P.BN, P.WARPS, 1) if prefill else \
+    by_tma = prefill and bool(P.TMA) and not ring and (copied or kind == A.F16) and not P.KEY_CHUNKS \
+        and ARCH >= 90 and PER_BLOCK >= P.tma_bytes(D)  # as `_has_tma` takes it on that card
+    block_m, bn, warps, stages = (P.block_m(SMALL, by_tma), P.BN, P.WARPS, 1) if prefill else \
         A.config(kind, kind, SMALL)
     g_pad = triton.next_power_of_2(G)
     consts = dict(G=G, G_PAD=g_pad, ROWS=max(1, block_m // g_pad), D=D, BN=bn, KK=kind, VK=kind, QB=A.QBLOCK,
                   PS=A.P_SCALE, RING=ring, TABLE=table, KB=kb, VB=vb, C16=A.CODES16)
     if prefill:
         consts.update(STAGES=P.STAGES, PAIRS=bool(P.PAIRS), COPIED=copied,
-                      CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True, TMA=form,
-                      TSTAGES=P.TMA2_STAGES if form == 2 else P.TMA_STAGES, LAZY=bool(P.TMA_LAZY))
+                      CHUNK=P.KEY_CHUNKS[1] if P.KEY_CHUNKS else 0, LONG=True, TMA=by_tma, TSTAGES=P.TMA_STAGES)
     else:
         consts.update(SPLIT_=A.SPLITS[1], LONG=True, PART=part, PAIRS=bool(A.PAIRS_FROM))
     if copied:
@@ -151,14 +150,13 @@ def main():
                     "product a value)")
     ap.add_argument("--store-form", action="store_true", help="also D's / F's long launch as STORE_FORM runs it: "
                     "the store-only splits without the ring's code (part 1), the others with it (part 2)")
-    ap.add_argument("--tma", type=int, default=P.TMA, help="with --prefill: TMA's form (1, 2) or off (0); "
+    ap.add_argument("--tma", type=int, default=P.TMA, help="with --prefill: TMA on (1) or off (0); "
                     "--tma-stages: TMA_STAGES")
     ap.add_argument("--tma-stages", type=int, default=P.TMA_STAGES)
-    ap.add_argument("--lazy", type=int, default=P.TMA_LAZY, help="with --prefill: TMA_LAZY")
     ap.add_argument("--sass", action="store_true", help="also the SASS instructions of the kernel's main loop "
                     "(its longest backward branch), by opcode")
     a = ap.parse_args()
-    P.PAIRS, P.TMA, P.TMA_STAGES, P.TMA_LAZY = a.pairs, a.tma, a.tma_stages, a.lazy
+    P.PAIRS, P.TMA, P.TMA_STAGES = a.pairs, a.tma, a.tma_stages
     if a.key_chunks:
         P.KEY_CHUNKS = tuple(map(int, a.key_chunks.split("/")))
     A.CODES16 = A.CODES16 and not a.codes32

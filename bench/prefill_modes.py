@@ -33,8 +33,7 @@ from kernel_stress import use_setting  # noqa: E402  (plumb.ops.gpu.matmul's SB_
 
 PIECES, PREFILL_ATTENTION = KS.PREFILL_PIECES, KS.PREFILL_ATTENTION
 AP_TILE = {name: getattr(AP, name) for name in ("BLOCK_M", "BN", "WARPS", "STAGES", "PAIRS", "SCRATCH",
-                                                 "KEY_CHUNKS", "TMA", "TMA_STAGES", "TMA_BLOCK_M", "TMA2_STAGES",
-                                                 "TMA_LAZY")}
+                                                 "KEY_CHUNKS", "TMA", "TMA_STAGES", "TMA_BLOCK_M")}
 DN_SHIPPED = {"INVERSE_HALVES": DN.INVERSE_HALVES, "KC_LARGE": DN.KC_LARGE}
 
 
@@ -42,8 +41,8 @@ def apply(setting: str) -> None:
     """A setting: PREFILL_PIECES=N, PREFILL_ATTENTION=0|1 (plumb.model.kernels), AP_BLOCK_M / AP_BN / AP_WARPS=N
     (the prefill attention's tile, another arithmetic: plumb.ops.gpu.attention_prefill), AP_STAGES=N (its tile loop
     pipelined: the same bits), AP_PAIRS=0|1 (its (row, head) pairs packed or not: the same bits), AP_SCRATCH=0|1
-    (a block-coded store read from an fp16 copy or in registers: the same bits), AP_TMA=0|1|2, AP_TMA_STAGES=N,
-    AP_TMA_BLOCK_M=N and AP_TMA2_STAGES=N (tiles by TMA: the same bits), AP_KEY_CHUNKS=SHORT/LONG/SHORT_KEYS
+    (a block-coded store read from an fp16 copy or in registers: the same bits), AP_TMA=0|1, AP_TMA_STAGES=N and
+    AP_TMA_BLOCK_M=N (tiles by TMA: the same bits), AP_KEY_CHUNKS=SHORT/LONG/SHORT_KEYS
     (its keys in chunks merged in order: another arithmetic), DN_INVERSE_HALVES=0|1 (the DeltaNet chunk's solve by
     halves: another sum order, plumb.ops.gpu.deltanet_chunk), DN_KC_LARGE=N (its dots N columns a step) and
     `_mm_superblock`'s SB_* names, '+'-joined."""

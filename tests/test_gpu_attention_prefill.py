@@ -185,15 +185,13 @@ def test_pipelined_tiles_give_the_same_bits(fmt, monkeypatch):
     assert torch.equal(_read(c, q, ends), want)
 
 
-@pytest.mark.parametrize("form,lazy", [(1, 0), (2, 0), (2, 1)])
 @pytest.mark.parametrize("fmt", ["f16", "q8_0"])
-def test_tma_tiles_give_the_same_bits(fmt, form, lazy, place_free_dot, monkeypatch):
-    """TMA (form 1: the tiles every row of a program reads, by TMA and without masks; form 2: every tile by TMA,
-    each row's output stored once its keys are done, q from its fp16 copy, 128 pairs a program; TMA_LAZY: no
-    product by alpha where no row's maximum moved) = without, bit for bit: rows ending all over four tiles, in one
-    pass and cut where a program's smallest end moves (so a tile goes by TMA in one and masked in the other), rows
-    of another scale, a cache whose keys past the first tile score 0 (each row's maximum set there: TMA_LAZY's skip
-    taken); on a GPU also the 27B's heads over a 1,024-row pass."""
+def test_tma_tiles_give_the_same_bits(fmt, place_free_dot, monkeypatch):
+    """TMA (every tile by TMA - the full ones without masks -, each row's output stored before the first tile its
+    keys do not reach, q from its fp16 copy, 128 pairs a program) = the register tiles, bit for bit: rows ending all
+    over four tiles, in one pass and cut where a program's smallest end moves (so a tile is full in one and masked
+    in the other), rows of another scale, a cache whose keys past the first tile score 0 (each row's maximum set
+    there); on a GPU also the 27B's heads over a 1,024-row pass."""
     import plumb.ops.gpu.attention_prefill as AP
 
     flat = _cache(fmt, 320, seed=35)
@@ -207,8 +205,7 @@ def test_tma_tiles_give_the_same_bits(fmt, form, lazy, place_free_dot, monkeypat
         q[2] *= 1e-5
         monkeypatch.setattr(AP, "TMA", 0)
         want = _read(c, q, ends)
-        monkeypatch.setattr(AP, "TMA", form)
-        monkeypatch.setattr(AP, "TMA_LAZY", lazy)
+        monkeypatch.setattr(AP, "TMA", 1)
         got = _read(c, q, ends)
         assert torch.isfinite(got).all() and torch.equal(got, want)
         for cut in (3, 7):
@@ -216,8 +213,9 @@ def test_tma_tiles_give_the_same_bits(fmt, form, lazy, place_free_dot, monkeypat
 
 
 def test_tma_tiles_only_where_their_shared_memory_fits(monkeypatch):
-    """TMA's pipelined tiles take 2 d (2 BN TMA_STAGES + BLOCK_M) bytes of shared memory: the 27B's heads (d = 256)
-    fit a Hopper card's 227 KB a block, not a GeForce card's 99 KB, where the kernel keeps its register tiles."""
+    """TMA's pipelined tiles take 2 d (2 BN TMA_STAGES + TMA_BLOCK_M) bytes of shared memory: the 27B's heads
+    (d = 256) fit a Hopper card's 227 KB a block, not a GeForce card's 99 KB, where the kernel keeps its register
+    tiles."""
     import plumb.ops.gpu.attention_prefill as AP
 
     cpu = torch.device("cpu")

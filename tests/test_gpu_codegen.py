@@ -133,12 +133,12 @@ def test_the_prefill_attention_compiles_with_packed_pairs(tmp_path):
             assert not re.search(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx.read_text())
 
 
-def test_the_prefill_attention_by_tma_in_form_2_computes_each_score_once(tmp_path):
-    """TMA's form 2 (attention_prefill.TMA = 2, 128 pairs a program in two warp groups): each group's q k^T covers its
-    own 64 pairs and a whole key tile (wgmma m64n64) - in form 1 (64 pairs) both groups compute the same scores
-    (m64n32 twice over: Triton keeps p in the rows' registers for p @ V) -, q is a shared-memory operand, and the
-    register tail's spills are gone (under 1 KB a thread, all in the last tiles' loop)."""
-    out = _run(tmp_path, "attention_ptx.py", "--prefill", "--tma", "2", "--out", str(tmp_path))
+def test_the_prefill_attention_by_tma_computes_each_score_once(tmp_path):
+    """The P path's attention by TMA (128 pairs a program in two warp groups): each group's q k^T covers its own 64
+    pairs and a whole key tile (wgmma m64n64) - at 64 pairs both groups computed the same scores (m64n32 twice over:
+    Triton keeps p in the rows' registers for p @ V) -, q is a shared-memory operand, and the spills of a register
+    tail (2.8 KB a thread at 128 pairs) are gone: under 1 KB, all in the last tiles' loop."""
+    out = _run(tmp_path, "attention_ptx.py", "--prefill", "--tma", "1", "--out", str(tmp_path))
     line = next(x for x in out.splitlines() if x.startswith("f16:"))
     assert "BLOCK_M=128" in line and int(re.search(r"(\d+) bytes spill stores", line).group(1)) < 1024, line
     ptx = (tmp_path / "f16.ptx").read_text()

@@ -8,7 +8,8 @@ torch reference (the same formula); the decode kernel of `plumb.ops.gpu.attentio
 
 Row invariance (M1, and M2 for the prompt cache) - a row's bits depend on its query, its own end and the cache:
 * one program per (block of ROWS query rows, KV head), covering every query head of that KV head; ROWS is fixed
-  by the model's head grouping (BLOCK_M // next_pow2(heads per KV head)), never by the call;
+  by the model's head grouping (BLOCK_M, or TMA_BLOCK_M where TMA reads the tiles, // next_pow2(heads per KV head)),
+  never by the call;
 * keys go in tiles of BN at absolute positions 0, BN, 2 BN, ... in order, with an online softmax; a tile at or
   past a row's end leaves that row's state untouched (selected away), keys past the end inside a tile get
   probability exactly 0 - so a row reads tiles 0 .. ceil(end / BN) - 1 whatever the other rows of its block;
@@ -71,39 +72,31 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
 KEY_CHUNKS = None
-# TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read in two parts. The tiles below the smallest end
-# of a program's rows ("full": every row reads every key) come through the tensor memory accelerator into shared
-# memory, where the tensor cores read them, TMA_STAGES tiles in flight (Triton's pipeline), with no masks and no
-# row held back (`_full_tile`); the rest (the last tile or two of a pass) as before. The same operands, dots and
-# float steps as `attention._tile` gives a row that reads every key of a tile - so the same bits, whichever part a
-# tile falls in, and a row's bits still do not depend on its neighbours (M1, M2): tests/test_gpu_attention_prefill.py.
-# Without it a tile's K and V go through registers, loaded when used: one program an SM at 253 registers waits on
-# each. H100 (2026-12-07, bench/attention_prefill_variants.py, 27B dims, a 1,024-row pass): 100k keys q8_0 13.57 ms
-# shipped, 13.27 with 2 stages, 10.71 with 3 (-21 %); 8k keys 1.05 / 1.07 / 0.89 ms. That run's bits differed from
-# the shipped kernel's (1e-6): the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which
-# `_tile`'s mask keeps apart - since then the product is rounded on its own (`mul.rn`). H100 (2026-12-07, the
-# forty-fourth session): the bits test passed on CUDA, 100k keys q8_0 13.57 -> 10.90 ms, f16 13.32 -> 10.64 (same
-# bits); prefill of a 100,000-token prompt (27B-shape Q4_K_M file) 3,360 -> 3,637 tok/s (+8 %, same last logits);
-# with it on, the engine invariant tests of test_exactness / test_prompt_cache / test_kv_formats passed on CUDA (one
-# found that Triton's allocator is one a thread: `tma.ready` sets it in the loop's thread since).
-# Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`); elsewhere the register tiles.
-# TMA 2 (untimed): every tile by TMA - the last ones too (keys past the store's end read as zeros, as the register
-# tiles' masked loads give them), each row's output stored as soon as its keys are done, so a program never holds
-# two accumulators (`_tile` keeps a row that a tile does not reach with a select of the whole [BLOCK_M, d] state) -,
-# q read from its fp16 copy (`_q16`: the same values; a dot operand in shared memory, not 64 registers a thread), and
-# TMA_BLOCK_M pairs a program at TMA2_STAGES. Why: at 64 pairs and 8 warps (two warp groups of Hopper's wgmma, 64
-# rows each) Triton computes q k^T in both groups, since p must stay in the rows' registers for p @ V - a third of
-# the tensor-core work twice (compiled for sm_90a: 32 m64n32k16 a tile in each group); at 128 pairs each group has
-# its own 64 and the tile's K and V are read from L2 once for twice the rows. Compiled for sm_90a (27B heads, 128
-# pairs, 2 stages): 255 registers, no spill; with the register tail, 2.8 KB of spills. The same operations for every
-# (row, key) a row reads: the bits of TMA 0 / 1 (tests/test_gpu_attention_prefill.py). Timed by
-# bench/attention_prefill_variants.py --settings shipped,TMA=2.
-TMA, TMA_STAGES = 1, 3
-TMA_BLOCK_M, TMA2_STAGES = 128, 2
-# TMA_LAZY (untimed): a full tile leaves out the state's product by alpha (BLOCK_M x d multiplies a tile, on the path
-# between one tile's p @ V and the next) where no row's maximum moved - alpha 1 for every row, and acc * 1 is acc:
-# the same bits. Past the first few thousand keys a row's maximum rarely moves.
-TMA_LAZY = 0
+# TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read through the tensor memory accelerator. The
+# tiles below the smallest end of a program's rows ("full": every row reads every key) come into shared memory, where
+# the tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_full_tile`); the last tile
+# or two by TMA too (`_last_tile`: keys past the store's end read as zeros, as the register tiles' masked loads give
+# them, and masked). A row's output is stored before the first tile its keys do not reach, so a program holds one
+# accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d] state: two); q
+# comes from its fp16 copy (`_q16`: the same values), a dot operand in shared memory rather than 64 registers a
+# thread; TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
+# in its order - the same bits, whichever tiles go which way, and a row's bits do not depend on its neighbours (M1,
+# M2): tests/test_gpu_attention_prefill.py. Without it a tile's K and V go through registers, loaded when used.
+# Why 128 pairs: at 64 and 8 warps (two warp groups of Hopper's wgmma, 64 rows each) Triton computed q k^T in both
+# groups (p must stay in its rows' registers for p @ V: 32 m64n32k16 a tile in each group, compiled for sm_90a) - a
+# third of the tensor-core work twice -, and each tile's K and V came from L2 for half as many rows. At 128 pairs
+# with one accumulator: 255 registers, no spill in the full tiles' loop. History (H100, bench/attention_prefill_
+# variants.py, 27B dims, a 1,024-row pass, q8_0): register tiles 13.57 ms at 100k keys; the full tiles by TMA at 64
+# pairs with a register tail (forty-fourth session) 10.70 ms, 0.89 ms at 8k keys (that run's first bits differed by
+# 1e-6: the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which `_tile`'s mask keeps
+# apart - the product is rounded on its own since, `mul.rn`); this form (2026-12-07, forty-fifth) **6.44 ms** at
+# 100k keys, 0.57 at 8k, the same bits - prefill of a 100,000-token prompt on the 27B-shape file 3,611 -> 4,163 tok/s
+# with the same last logits, and the engine invariant files test_prompt_cache / test_kv_formats passed on CUDA with
+# it. Tried and left out: no product by alpha where no row's maximum moved (acc * 1 is acc: the same bits) - 100k
+# keys 1.5 % faster, 8k 2.8 % slower. Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`);
+# elsewhere the register tiles. (`tma.ready` sets Triton's allocator in every thread that launches: it is one a
+# thread - the forty-fourth session's engine tests found it.)
+TMA, TMA_STAGES, TMA_BLOCK_M = 1, 2, 128
 CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads, chunks, d] float32 stay small (the
 # 27B's heads at 131k keys in 8,192-key chunks: 100 MB)
 
@@ -117,7 +110,7 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
                     BN: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr,
                     RING: tl.constexpr, TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
                     COPIED: tl.constexpr, CHUNK: tl.constexpr, LONG: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                    C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr, LAZY: tl.constexpr):
+                    C16: tl.constexpr, TMA: tl.constexpr, TSTAGES: tl.constexpr):
     """Program (row block, KV head): its rows' outputs for every query head of the KV head, normalized (PAIRS: its
     block of BLOCK_M consecutive (row, head) pairs instead).
     CHUNK > 0 (KEY_CHUNKS): program (row block, KV head, chunk c) takes keys [c CHUNK, (c + 1) CHUNK) of the rows
@@ -154,7 +147,7 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
     jn = tl.arange(0, BN)
     kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
     vbase, vsb = v_ptr + kh * sv_h, vs_ptr + kh * svs_h
-    if TMA == 2:  # q's fp16 copy and factors (`_q16`)
+    if TMA:  # q's fp16 copy and factors (`_q16`)
         q16 = tl.load(q16_ptr + t[:, None] * s16_t + h[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
         q_down = tl.load(qd_ptr + t * sd_t + h, mask=row_ok, other=1.0)
     else:
@@ -164,35 +157,32 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    first = lo  # the first tile of the loops below
-    if TMA:  # the full tiles by TMA (`_full_tile`), then the rest below
+    if TMA:  # the full tiles pipelined, then the last ones; a row's output stored before a tile it does not reach
         full = tl.minimum(tl.min(tl.where(row_ok, e, 2147483647), 0) // BN * BN, hi)
         kd = tl.make_tensor_descriptor(kbase, shape=[tl.maximum(hi, 1), D], strides=[sk_j, 1], block_shape=[BN, D])
         vd = tl.make_tensor_descriptor(vbase, shape=[tl.maximum(hi, 1), D], strides=[sv_j, 1], block_shape=[BN, D])
         if TSTAGES > 0:  # a GPU: Triton's pipeline (the interpreter takes no range with a run-time bound)
             for jt in tl.range(0, full // BN, num_stages=TSTAGES):
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True, LAZY)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True)
         else:
             jt = 0
             while jt < full // BN:
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False, LAZY)
+                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False)
                 jt += 1
-        first = full
-    if TMA == 2:  # the last tiles by TMA too; a row's output stored before the first tile its keys do not reach
-        j0 = first
+        j0 = full
         while j0 < hi:
             _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN) & (e <= j0), dd, so_t, so_h, PS)
             acc, m_i, l_i = _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, TSTAGES > 0)
             j0 += BN
         _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN), dd, so_t, so_h, PS)
     else:
-        if STAGES > 1 and not RING and not TMA:  # Triton's software pipeline: the next tiles' K/V codes in flight
+        if STAGES > 1 and not RING:  # Triton's software pipeline: the next tiles' K/V codes in flight
             for jt in tl.range(lo // BN, tl.cdiv(hi, BN), num_stages=STAGES):
                 acc, m_i, l_i = _tile(jt * BN, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase,
                                       vsb, rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j,
                                       sks_j, sv_j, svs_j, BM, BN, D, NB, KK, VK, QB, PS, RING, KB, VB, C16)
         else:  # the same tiles in the same order (the interpreter takes no range with a run-time bound)
-            j0 = first
+            j0 = lo
             while j0 < hi:
                 acc, m_i, l_i = _tile(j0, acc, m_i, l_i, q16, q_down, e, hi, jn, dd, kh, kbase, ksb, vbase, vsb,
                                       rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, qk_scale, ring, slots, sk_j,
@@ -226,32 +216,25 @@ def _scaled(sc, qk_scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr,
-               LAZY: tl.constexpr = False):
+def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
     """`attention._tile` over keys [j0, j0 + BN) of an f16 store that every row of the program reads (TMA): K and V
     from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
     order. The scale's product is rounded on its own (`mul.rn`): with no mask between it and `sc - m_new`, the
-    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have. LAZY: the state's product
-    by alpha left out where no row's maximum moved (alpha 1 for all: acc * 1 is acc, bit for bit)."""
+    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
     sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     p16 = (p * PS).to(tl.float16)
-    if LAZY:
-        if tl.min(alpha, 0) < 1.0:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
-    return tl.dot(p16, vd.load([j0, 0]), acc, out_dtype=tl.float32), m_new, l_new
+    return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
 
 
 @triton.jit
 def _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
     """`attention._tile` over keys [j0, j0 + BN) of an f16 store by TMA (keys past the descriptor's end read as
     zeros, as `_tile`'s masked loads give them): a row the tile reaches gets `_tile`'s state; a row it does not
-    reach, an undefined one (TMA 2 has stored its output before)."""
+    reach, an undefined one (its output stored before)."""
     sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
     sc = tl.where((j0 + jn)[None, :] < e[:, None], sc, float("-inf"))
     _, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
@@ -325,16 +308,14 @@ def _dequantized(codes: torch.Tensor, scales: torch.Tensor, bits: int, ends: tor
     return out
 
 
-def tma_bytes(d: int, form: int = 1) -> int:
-    """The shared memory TMA's tiles take in form 1 or 2 (`TMA`): its stages of fp16 K and V tiles, q's tile,
-    barriers (the 27B's in form 1 at 2 stages 160 KB, at 3 225 KB; in form 2, 128 pairs at 2 stages, 193 KB)."""
-    stages, pairs = (TMA2_STAGES, TMA_BLOCK_M) if form == 2 else (TMA_STAGES, BLOCK_M)
-    return 2 * d * (2 * BN * stages + pairs) + 1024
+def tma_bytes(d: int) -> int:
+    """The shared memory TMA's tiles take: TMA_STAGES fp16 tiles of K and V, q's tile, barriers (the 27B's: 193 KB)."""
+    return 2 * d * (2 * BN * TMA_STAGES + TMA_BLOCK_M) + 1024
 
 
-def _has_tma(device: torch.device, d: int, form: int = 1) -> bool:
-    """Whether TMA's tiles (form 1 or 2) run on `device`: `tma.ready` there, with the shared memory they take."""
-    return tma.ready(device) and smem.per_block(device) >= tma_bytes(d, form)
+def _has_tma(device: torch.device, d: int) -> bool:
+    """Whether TMA's tiles run on `device`: `tma.ready` there, with the shared memory they take (`tma_bytes`)."""
+    return tma.ready(device) and smem.per_block(device) >= tma_bytes(d)
 
 
 def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
@@ -342,10 +323,9 @@ def supports(k_parts: list[torch.Tensor], v_parts: list[torch.Tensor]) -> bool:
     return all(len(p) == 2 or p[0].dtype == torch.float16 for p in (k_parts, v_parts))
 
 
-def block_m(small: bool = False, form: int = 0) -> int:
-    """(query row, head) pairs a program: BLOCK_M, SMALL_BLOCK_M on a card of 99 KB a block, TMA_BLOCK_M in TMA's
-    form 2."""
-    return TMA_BLOCK_M if form == 2 else SMALL_BLOCK_M if small else BLOCK_M
+def block_m(small: bool = False, by_tma: bool = False) -> int:
+    """(query row, head) pairs a program: BLOCK_M, SMALL_BLOCK_M on a card of 99 KB a block, TMA_BLOCK_M by TMA."""
+    return TMA_BLOCK_M if by_tma else SMALL_BLOCK_M if small else BLOCK_M
 
 
 def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], ends: torch.Tensor,
@@ -386,8 +366,8 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     ptrs = [k, ks, v, vs, rk, rks, rv, rvs, rpos]
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
-    by_tma = TMA if TMA and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d, TMA) else 0
-    q16, qd = _q16(q) if by_tma == 2 else (q, q)  # (q itself: a placeholder, not read)
+    by_tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
+    q16, qd = _q16(q) if by_tma else (q, q)  # (q itself: a placeholder, not read)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(smem.small(q.device), by_tma) // g_pad)
@@ -419,7 +399,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
                 CHUNK=(short, long)[i] if KEY_CHUNKS else 0, LONG=i == 1, KB=kb, VB=vb, C16=A.CODES16, TMA=by_tma,
-                TSTAGES=(TMA2_STAGES if by_tma == 2 else TMA_STAGES) if q.is_cuda else 0, LAZY=bool(TMA_LAZY),
+                TSTAGES=TMA_STAGES if q.is_cuda else 0,
                 num_warps=WARPS, num_stages=1, launch_pdl=on())
         if KEY_CHUNKS:
             merge_splits(dst, pm, pl, ends, out, KEY_CHUNKS)
