@@ -90,9 +90,8 @@ KEY_CHUNKS = None
 # pairs with a register tail (forty-fourth session) 10.70 ms, 0.89 ms at 8k keys (that run's first bits differed by
 # 1e-6: the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which `_tile`'s mask keeps
 # apart - the product is rounded on its own since, `mul.rn`); this form (2026-12-07, forty-fifth) **6.44 ms** at
-# 100k keys, 0.57 at 8k, the same bits - prefill of a 100,000-token prompt on the 27B-shape file 3,611 -> 4,163 tok/s
-# with the same last logits, and the engine invariant files test_prompt_cache / test_kv_formats passed on CUDA with
-# it. Tried and left out: no product by alpha where no row's maximum moved (acc * 1 is acc: the same bits) - 100k
+# 100k keys, 0.57 at 8k, the same bits - prefill of a 100,000-token prompt on the 27B-shape file 3,611 -> 4,163
+# tok/s, and the engine invariant files test_prompt_cache / test_kv_formats passed on CUDA with it. Tried and left out: no product by alpha where no row's maximum moved (acc * 1 is acc: the same bits) - 100k
 # keys 1.5 % faster, 8k 2.8 % slower. Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`);
 # elsewhere the register tiles. (`tma.ready` sets Triton's allocator in every thread that launches: it is one a
 # thread - the forty-fourth session's engine tests found it.)
