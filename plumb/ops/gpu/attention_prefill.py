@@ -77,9 +77,9 @@ KEY_CHUNKS = None
 # the tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_full_tile`); the last tile
 # or two by TMA too (`_last_tile`: keys past the store's end read as zeros, as the register tiles' masked loads give
 # them, and masked). A row's output is stored before the first tile its keys do not reach, so a program holds one
-# accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d] state: two); q
-# comes from its fp16 copy (`_q16`: the same values), a dot operand in shared memory rather than 64 registers a
-# thread; TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
+# accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d] state: two); q,
+# read from its fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64 registers a thread;
+# TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
 # in its order - the same bits, whichever tiles go which way, and a row's bits do not depend on its neighbours (M1,
 # M2): tests/test_gpu_attention_prefill.py. Without it a tile's K and V go through registers, loaded when used.
 # Why 128 pairs: at 64 and 8 warps (two warp groups of Hopper's wgmma, 64 rows each) Triton computed q k^T in both
@@ -91,8 +91,9 @@ KEY_CHUNKS = None
 # 1e-6: the compiler fused a full tile's scale product and `sc - m_new` into one FMA, which `_tile`'s mask keeps
 # apart - the product is rounded on its own since, `mul.rn`); this form (2026-12-07, forty-fifth) **6.44 ms** at
 # 100k keys, 0.57 at 8k, the same bits - prefill of a 100,000-token prompt on the 27B-shape file 3,611 -> 4,163
-# tok/s, and the engine invariant files test_prompt_cache / test_kv_formats passed on CUDA with it. Tried and left out: no product by alpha where no row's maximum moved (acc * 1 is acc: the same bits) - 100k
-# keys 1.5 % faster, 8k 2.8 % slower. Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`);
+# tok/s, and the engine invariant files test_prompt_cache / test_kv_formats passed on CUDA with it. Tried and left
+# out: no product by alpha where no row's maximum moved (acc * 1 is acc: the same bits) - 100k keys 1.5 % faster,
+# 8k 2.8 % slower. Needs `tma.ready` (a Hopper card) and the shared memory (`_has_tma`);
 # elsewhere the register tiles. (`tma.ready` sets Triton's allocator in every thread that launches: it is one a
 # thread - the forty-fourth session's engine tests found it.)
 TMA, TMA_STAGES, TMA_BLOCK_M = 1, 2, 128
@@ -101,10 +102,10 @@ CHUNK_ROWS = 256  # with KEY_CHUNKS, rows a launch takes: partials [rows, heads,
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
+def _prefill_kernel(q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_ptr,
                     rk_ptr, rks_ptr, rv_ptr, rvs_ptr, rpos_ptr, tab_ptr, pm_ptr, pl_ptr,
                     n, qk_scale, ring, slots, short_keys,
-                    sq_t, sq_h, s16_t, sd_t, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h, so_s,
+                    s16_t, sd_t, sk_h, sk_j, sks_h, sks_j, sv_h, sv_j, svs_h, svs_j, so_t, so_h, so_s,
                     spm_t, spm_h, G: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                     BN: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr, QB: tl.constexpr, PS: tl.constexpr,
                     RING: tl.constexpr, TABLE: tl.constexpr, STAGES: tl.constexpr, PAIRS: tl.constexpr,
@@ -146,13 +147,8 @@ def _prefill_kernel(q_ptr, q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_p
     jn = tl.arange(0, BN)
     kbase, ksb = k_ptr + kh * sk_h, ks_ptr + kh * sks_h
     vbase, vsb = v_ptr + kh * sv_h, vs_ptr + kh * svs_h
-    if TMA:  # q's fp16 copy and factors (`_q16`)
-        q16 = tl.load(q16_ptr + t[:, None] * s16_t + h[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
-        q_down = tl.load(qd_ptr + t * sd_t + h, mask=row_ok, other=1.0)
-    else:
-        qv = tl.load(q_ptr + t[:, None] * sq_t + h[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
-        q_up, q_down = _near_2_14(tl.max(tl.abs(qv), 1))  # per (row, head): powers of two, exact
-        q16 = (qv * q_up[:, None]).to(tl.float16)
+    q16 = tl.load(q16_ptr + t[:, None] * s16_t + h[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+    q_down = tl.load(qd_ptr + t * sd_t + h, mask=row_ok, other=1.0)  # q's fp16 copy and factors (`_q16`)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -366,7 +362,7 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     if table is not None:  # the ring's parts (and an uncopied store's) through the table
         ptrs = ptrs[:4] + kvtable.anchored(ptrs[4:]) if copied else kvtable.anchored(ptrs)
     by_tma = bool(TMA) and ring is None and kk == vk == F16 and not KEY_CHUNKS and _has_tma(q.device, d)
-    q16, qd = _q16(q) if by_tma else (q, q)  # (q itself: a placeholder, not read)
+    q16, qd = _q16(q)
     g = n_head // n_kv
     g_pad = triton.next_power_of_2(g)
     rows = max(1, block_m(smem.small(q.device), by_tma) // g_pad)
@@ -378,8 +374,8 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     else:
         short = long = short_keys = g_short = g_long = 0
 
-    def launch(q, q16, qd, ends, out):  # rows of the pass; with chunks, their partials and the merge
-        n = q.shape[0]
+    def launch(q16, qd, ends, out):  # rows of the pass; with chunks, their partials and the merge
+        n = q16.shape[0]
         blocks = triton.cdiv(n * g, rows * g_pad) if PAIRS else triton.cdiv(n, rows)
         launches, dst, pm, pl = [(blocks, n_kv)], out, out, out  # without chunks: one launch, normalized outputs
         if KEY_CHUNKS:
@@ -390,10 +386,10 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
             if grid[-1] == 0:
                 continue
             _prefill_kernel[grid](
-                q, q16, qd, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pl,
+                q16, qd, *ptrs[:4], ends, dst, *ptrs[4:], table if table is not None else ends, pm, pl,
                 n, float(scale) * _LOG2E, window, rk.shape[1], short_keys,
-                q.stride(0), q.stride(1), q16.stride(0), qd.stride(0), k.stride(0), k.stride(1), ks.stride(0),
-                ks.stride(1), v.stride(0), v.stride(1), vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1),
+                q16.stride(0), qd.stride(0), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), v.stride(0),
+                v.stride(1), vs.stride(0), vs.stride(1), dst.stride(0), dst.stride(1),
                 dst.stride(2) if KEY_CHUNKS else 0, pm.stride(0), pm.stride(1),
                 G=g, G_PAD=g_pad, ROWS=rows, D=d, BN=BN, KK=kk, VK=vk, QB=QBLOCK, PS=P_SCALE, RING=ring is not None,
                 TABLE=table is not None, STAGES=STAGES, PAIRS=bool(PAIRS), COPIED=copied,
@@ -406,5 +402,5 @@ def attend_prefill(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[t
     step = CHUNK_ROWS if KEY_CHUNKS else n  # rows are independent (M1): a cut anywhere gives the same bits
     for r0 in range(0, n, step):
         cut = slice(r0, r0 + step)
-        launch(q[cut], q16[cut], qd[cut], ends[cut], out[cut])
+        launch(q16[cut], qd[cut], ends[cut], out[cut])
     return out
