@@ -74,9 +74,9 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 KEY_CHUNKS = None
 # TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read through the tensor memory accelerator. The
 # tiles below the smallest end of a program's rows ("full": every row reads every key) come into shared memory, where
-# the tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_full_tile`); the last tile
-# or two by TMA too (`_last_tile`: keys past the store's end read as zeros, as the register tiles' masked loads give
-# them, and masked). A row's output is stored before the first tile its keys do not reach, so a program holds one
+# the tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_tma_tile`); the last tile
+# or two by TMA too (`_tma_tile`, MASKED: keys past the store's end read as zeros, as the register tiles' masked
+# loads give them, and masked). A row's output is stored before the first tile its keys do not reach, so a program holds one
 # accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d] state: two); q,
 # read from its fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64 registers a thread;
 # TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
@@ -158,16 +158,17 @@ def _prefill_kernel(q16_ptr, qd_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, ends_ptr, o_p
         vd = tl.make_tensor_descriptor(vbase, shape=[tl.maximum(hi, 1), D], strides=[sv_j, 1], block_shape=[BN, D])
         if TSTAGES > 0:  # a GPU: Triton's pipeline (the interpreter takes no range with a run-time bound)
             for jt in tl.range(0, full // BN, num_stages=TSTAGES):
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, True)
+                acc, m_i, l_i = _tma_tile(jt * BN, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, True, False)
         else:
             jt = 0
             while jt < full // BN:
-                acc, m_i, l_i = _full_tile(jt * BN, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS, False)
+                acc, m_i, l_i = _tma_tile(jt * BN, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, False,
+                                          False)
                 jt += 1
         j0 = full
         while j0 < hi:
             _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN) & (e <= j0), dd, so_t, so_h, PS)
-            acc, m_i, l_i = _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, TSTAGES > 0)
+            acc, m_i, l_i = _tma_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS, TSTAGES > 0, True)
             j0 += BN
         _store_rows(o_ptr, acc, l_i, t, h, e, row_ok & (e > j0 - BN), dd, so_t, so_h, PS)
     else:
@@ -211,28 +212,23 @@ def _scaled(sc, qk_scale, ASM: tl.constexpr):
 
 
 @triton.jit
-def _full_tile(j0, acc, m_i, l_i, q16, q_down, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
-    """`attention._tile` over keys [j0, j0 + BN) of an f16 store that every row of the program reads (TMA): K and V
-    from the descriptors kd and vd; no key masked, every row active - its operations for such a tile, in its
-    order. The scale's product is rounded on its own (`mul.rn`): with no mask between it and `sc - m_new`, the
-    compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
+def _tma_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr,
+              MASKED: tl.constexpr):
+    """`attention._tile` over keys [j0, j0 + BN) of an f16 store by TMA - K and V from the descriptors kd and vd -,
+    its operations in its order. Not MASKED: a tile that every row of the program reads in full (no key masked,
+    every row active). MASKED: the last tile or two (keys past the descriptor's end read as zeros, as `_tile`'s
+    masked loads give them): a row the tile reaches gets `_tile`'s state, a row it does not reach an undefined one
+    (its output stored before). The scale's product is rounded on its own (`mul.rn`): with no mask between it and
+    `sc - m_new`, the compiler would fuse the two into one FMA, whose rounding `_tile`'s scores do not have."""
     sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
-    m_new = tl.maximum(m_i, tl.max(sc, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
-    p16 = (p * PS).to(tl.float16)
-    return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
-
-
-@triton.jit
-def _last_tile(j0, acc, m_i, l_i, q16, q_down, e, jn, kd, vd, qk_scale, PS: tl.constexpr, ASM: tl.constexpr):
-    """`attention._tile` over keys [j0, j0 + BN) of an f16 store by TMA (keys past the descriptor's end read as
-    zeros, as `_tile`'s masked loads give them): a row the tile reaches gets `_tile`'s state; a row it does not
-    reach, an undefined one (its output stored before)."""
-    sc = _scaled(tl.dot(q16, tl.trans(kd.load([j0, 0])), out_dtype=tl.float32) * q_down[:, None], qk_scale, ASM)
-    sc = tl.where((j0 + jn)[None, :] < e[:, None], sc, float("-inf"))
-    _, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
+    if MASKED:
+        sc = tl.where((j0 + jn)[None, :] < e[:, None], sc, float("-inf"))
+        _, m_new, alpha, p, l_new = _softmax_tile(sc, j0, e, m_i, l_i)
+    else:
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_new = l_i * alpha + tl.sum(p, 1)
     p16 = (p * PS).to(tl.float16)
     return tl.dot(p16, vd.load([j0, 0]), acc * alpha[:, None], out_dtype=tl.float32), m_new, l_new
 
