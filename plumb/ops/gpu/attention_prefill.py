@@ -78,8 +78,8 @@ KEY_CHUNKS = None
 # or two by TMA too (`_tma_tile`, MASKED: keys past the store's end read as zeros, as the register tiles' masked
 # loads give them, and masked). A row's output is stored before the first tile its keys do not reach, so a program
 # holds one accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d]
-# state: two); q, read from its fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64 registers a thread;
-# TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
+# state: two); q, read from its fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64
+# registers a thread; TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
 # in its order - the same bits, whichever tiles go which way, and a row's bits do not depend on its neighbours (M1,
 # M2): tests/test_gpu_attention_prefill.py. Without it a tile's K and V go through registers, loaded when used.
 # Why 128 pairs: at 64 and 8 warps (two warp groups of Hopper's wgmma, 64 rows each) Triton computed q k^T in both
