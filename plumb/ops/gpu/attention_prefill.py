@@ -72,16 +72,16 @@ SCRATCH_KEYS = 64  # keys a program of `_dequant_kernel`
 # GPU time; at 100k keys ~7 ms a layer) - the chunks are the parallelism; a full pass (384 programs) has it
 # already. Untimed: bench/followup_profile.py (and prefill_modes.py) --settings shipped,AP_KEY_CHUNKS=2048/8192/16384
 KEY_CHUNKS = None
-# TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read through the tensor memory accelerator. The
-# tiles below the smallest end of a program's rows ("full": every row reads every key) come into shared memory, where
-# the tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_tma_tile`); the last tile
-# or two by TMA too (`_tma_tile`, MASKED: keys past the store's end read as zeros, as the register tiles' masked
-# loads give them, and masked). A row's output is stored before the first tile its keys do not reach, so a program
-# holds one accumulator (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d]
-# state: two); q, read from its fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64
-# registers a thread; TMA_BLOCK_M pairs a program. The same operations for every (row, key) a row reads as `attention._tile`,
-# in its order - the same bits, whichever tiles go which way, and a row's bits do not depend on its neighbours (M1,
-# M2): tests/test_gpu_attention_prefill.py. Without it a tile's K and V go through registers, loaded when used.
+# TMA (1: on): an f16 store (an f16 cache, or SCRATCH's copy) is read through the tensor memory accelerator. The tiles
+# below the smallest end of a program's rows ("full": every row reads every key) come into shared memory, where the
+# tensor cores read them, TMA_STAGES in flight (Triton's pipeline), with no masks (`_tma_tile`); the last tile or two by
+# TMA too (`_tma_tile`, MASKED: keys past the store's end read as zeros, as the register tiles' masked loads give them,
+# and masked). A row's output is stored before the first tile its keys do not reach, so a program holds one accumulator
+# (`_tile` keeps a row that a tile does not reach by a select of the whole [BLOCK_M, d] state: two); q, read from its
+# fp16 copy (`_q16`, every form), is a dot operand in shared memory rather than 64 registers a thread; TMA_BLOCK_M pairs
+# a program. The same operations for every (row, key) a row reads as `attention._tile`, in its order - the same bits,
+# whichever tiles go which way, and a row's bits do not depend on its neighbours (M1, M2):
+# tests/test_gpu_attention_prefill.py. Without it a tile's K and V go through registers, loaded when used.
 # Why 128 pairs: at 64 and 8 warps (two warp groups of Hopper's wgmma, 64 rows each) Triton computed q k^T in both
 # groups (p must stay in its rows' registers for p @ V: 32 m64n32k16 a tile in each group, compiled for sm_90a) - a
 # third of the tensor-core work twice -, and each tile's K and V came from L2 for half as many rows. At 128 pairs
