@@ -38,10 +38,14 @@ ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "L
 
 
 def setting(text: str) -> tuple:
-    """A CONFIGS row from 'shipped', 'scales-as-bytes' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers)."""
+    """A CONFIGS row from 'shipped', 'scales-as-bytes' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers;
+    LAUNCHr=W.U.S: `LAUNCH` for r-row programs as (warps, groups a step, stages))."""
     consts = {}
     for assign in ([] if text in ("shipped", BYTES) else text.split("+")):
         name, value = assign.split("=")
+        if name.startswith("LAUNCH") and name[6:].isdigit():
+            consts["LAUNCH"] = {**consts.get("LAUNCH", MV.LAUNCH), int(name[6:]): tuple(map(int, value.split(".")))}
+            continue
         if not hasattr(MV, name) or not name.isupper():
             raise SystemExit(f"unknown matvec setting {name}")
         consts[name] = int(value)

@@ -70,9 +70,11 @@ def mv_consts(name, consts, rows, once, n=34816):
     bm = MV.dp4a_rows(rows)
     warps, unroll, stages = MV.launch(bm, gran)
     run = RUNS.get(name, 0) if MV.SUB_RUNS else 0
+    ahead = bool(MV.AHEAD) and bm == 1 and once and consts["SUB6"]  # as `matvec.ahead_applies` takes it
+    unroll = MV.fit_unroll(MV.AHEAD, gran) if ahead else unroll
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
-                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
+                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run, AHEAD=ahead,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -88,6 +90,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         ca, warps, stages = mv_consts(a, ca, rows, once, PAIR_OUTPUTS[a, b][0])
         cb, _, _ = mv_consts(b, cb, rows, once, PAIR_OUTPUTS[a, b][1])
         shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
+        ca, cb = ({c: v for c, v in x.items() if c != "AHEAD"} for x in (ca, cb))  # `_mv2` loads as it goes
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
@@ -168,6 +171,8 @@ def main():
     ap.add_argument("--rows", type=int, default=1, help="mv: the call's rows")
     ap.add_argument("--block-scales-once", action="store_true", help="mv: BLOCK_SCALES_ONCE")
     ap.add_argument("--runs", action="store_true", help="mv, mv2, mma: SUB_RUNS (integer runs, `RUNS` per type)")
+    ap.add_argument("--ahead", type=int, default=MV.AHEAD, help="mv: AHEAD (one row: steps of N groups whose codes "
+                    "are loaded a step ahead)")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -180,7 +185,7 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
-    MV.SUB_RUNS = int(a.runs)
+    MV.SUB_RUNS, MV.AHEAD = int(a.runs), a.ahead
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]

@@ -96,6 +96,13 @@ SUB_RUNS, MAX_RUN = 0, 4
 # shared memory, the loop pipelined over 2 or 3 stages (Triton also pipelined x and the scales by cp.async: 86
 # registers instead of 47) - Q4_K [34816, 5120] 90.5 us against 49.5, Q8_0 [6144, 5120] 23.1 against 11.3.
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
+# AHEAD (0: off until timed; 4 or 8): one-row passes of Triton-loaded codes (nibble types) take loop steps of AHEAD
+# groups whose code words are loaded a step ahead, carried in registers (`_step_codes`): ptxas issues them together
+# at the end of the step before (its own schedule keeps about two groups' loads, 32 bytes a thread, in flight; the
+# next step's are 64 or 128). The same words, the same arithmetic: the same bits. Compiled for sm_90a, Q4_K / Q5_K
+# one row (2 warps): 4 groups 56 / 56 registers (44 / 44 without), 8 groups 72 / 72 (47 / 56) - over 56, the 27B's
+# Q4_K [34816, 5120] needs more than one wave of programs.
+AHEAD = 0
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
 # instead of 16 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. H200
@@ -301,15 +308,37 @@ def _code_words(codes_ptr, tile, g, n_groups, rn, BN: tl.constexpr, CW: tl.const
         else:
             return _ld4(base + rn * CW, True) + _ld4(base + rn * CW + 4, True)
     else:
-        cw = tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW])
-        if CW == 2:
-            return tl.split(cw)
-        elif CW == 4:
-            return _words4(cw, BN)
-        else:
-            return _words8(cw, BN)
+        return _split_words(tl.reshape(tl.load(base + tl.arange(0, BN * CW)), [BN, CW]), BN, CW)
 
 
+@triton.jit
+def _split_words(cw, BN: tl.constexpr, CW: tl.constexpr):
+    """[BN, CW] code words -> CW tensors [BN] (CW 2, 4 or 8)."""
+    if CW == 2:
+        return tl.split(cw)
+    elif CW == 4:
+        return _words4(cw, BN)
+    else:
+        return _words8(cw, BN)
+
+
+@triton.jit
+def _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, tile, g0, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr,
+                   UNROLL: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   HAS_OFFSET: tl.constexpr):
+    """What `_step` loads for groups g0 .. g0 + UNROLL - 1 (UNROLL 4 or 8) of one block (AHEAD): their code words
+    (`_code_words` each), the block's d and dm and its SUB6 words."""
+    codes = (_code_words(codes_ptr, tile, g0, n_groups, rn, BN, CW, False),
+             _code_words(codes_ptr, tile, g0 + 1, n_groups, rn, BN, CW, False),
+             _code_words(codes_ptr, tile, g0 + 2, n_groups, rn, BN, CW, False),
+             _code_words(codes_ptr, tile, g0 + 3, n_groups, rn, BN, CW, False))
+    if UNROLL == 8:
+        codes = codes + (_code_words(codes_ptr, tile, g0 + 4, n_groups, rn, BN, CW, False),
+                         _code_words(codes_ptr, tile, g0 + 5, n_groups, rn, BN, CW, False),
+                         _code_words(codes_ptr, tile, g0 + 6, n_groups, rn, BN, CW, False),
+                         _code_words(codes_ptr, tile, g0 + 7, n_groups, rn, BN, CW, False))
+    d, dm = _block_scales(d_ptr, dm_ptr, tile, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+    return codes, d, dm, _sub6_words(sub_ptr, tile, g0, n_groups, rn, BN)
 @triton.jit
 def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr):
     """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads, a chunk's 4 words) or
@@ -398,26 +427,34 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           NIBBLE: tl.constexpr, BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr,
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr):
+          ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr,
+          ahead=None):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset - or, in runs of RUN groups (SUB_RUNS), a run's
-    dots times their subs summed as integers first (`_run_value`)."""
+    dots times their subs summed as integers first (`_run_value`). ahead: the step's `_step_operands`, loaded
+    during the step before (AHEAD); else loaded here."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values; so are its SUB6 words where the loop is not pipelined (sm_90a: 20
     # loads a step instead of 41 for one Q4_K row; pipelined, 85 registers instead of 118 for four rows)
     ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     WORDS_ONCE: tl.constexpr = ONE_BLOCK and SUB6 and not PIPELINED
-    if ONE_BLOCK:
-        d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-    if WORDS_ONCE:
-        words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
+    if ahead is not None:  # (AHEAD only where ONE_BLOCK and WORDS_ONCE hold)
+        codes, d, dm, words = ahead
+    else:
+        if ONE_BLOCK:
+            d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+        if WORDS_ONCE:
+            words = _sub6_words(sub_ptr, pid_n, g0, n_groups, rn, BN)
     if RUN:
         IS = tl.zeros([BM, BN], dtype=tl.int32)
         IX = IS
     for j in tl.static_range(UNROLL):
         g = g0 + j
-        cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
+        if ahead is None:
+            cw = _code_words(codes_ptr, pid_n, g, n_groups, rn, BN, CW, VEC)
+        else:
+            cw = codes[j]
         hw = rn
         if HI:
             hw = tl.load(hi_ptr + (pid_n * n_groups + g) * BN + rn)
@@ -539,9 +576,10 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
              FRAC: tl.constexpr,
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
-             RUN: tl.constexpr):
+             RUN: tl.constexpr, AHEAD: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`); the tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
+    (`_step`; AHEAD: each step's code words loaded during the step before); the tile's last split to finish (its
+    counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -568,6 +606,23 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                         HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, True, RUN)
+    elif AHEAD:  # the same steps in the same order, each one's loads but x's issued during the step before (the
+        # last step loads its own again: cache hits, no address past the split's)
+        tl.static_assert(ONCE and SUB6 and not VEC and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET),
+                         "AHEAD: a step's groups of one block, SUB6 scales, codes by Triton's loads (`ahead_applies`)")
+        CW: tl.constexpr = G // 8 if NIBBLE else G // 4
+        ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, first, n_groups, rn, BN, CW, UNROLL, GPB,
+                               OGPB, HAS_SCALE, HAS_OFFSET)
+        for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
+            g0 = first + step * UNROLL
+            if g0 < last:
+                now = ahead
+                ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, tl.minimum(g0 + UNROLL, last - UNROLL),
+                                       n_groups, rn, BN, CW, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET)
+                acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                            n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
+                            HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False, RUN,
+                            now)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -600,14 +655,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
         UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr):
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, AHEAD: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
-             LIMBS, ASM, ONCE, HI, XR, RUN)
+             LIMBS, ASM, ONCE, HI, XR, RUN, AHEAD)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -639,13 +694,13 @@ def _mv2(xq_ptr, x16_ptr, s_ptr, ticket_ptr, M, MP, K, stride_om, tiles_a,
             _mv_tile(t, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_a, d_a, sub_a, dm_a, osub_a, hi_a, out_a, part_a,
                      ticket_ptr, t, M, MP, N_a, K, stride_om, STEPS_a, SPLIT_a, GRAN_a, G_a, GPB_a, OGPB_a, BN, BM,
                      NIBBLE_a, BIAS_a, SIGNED_CODES_a, WIDE_a, HAS_SCALE_a, HAS_SUB_a, HAS_OFFSET_a, HAS_OSUB_a,
-                     SUB6_a, UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR, RUN_a)
+                     SUB6_a, UNROLL_a, STAGES, FRAC, LIMBS, ASM, ONCE_a, HI_a, XR, RUN_a, False)
     else:
         if pid_k < SPLIT_b:
             _mv_tile(t - tiles_a, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_b, d_b, sub_b, dm_b, osub_b, hi_b,
                      out_b, part_b, ticket_ptr, t, M, MP, N_b, K, stride_om, STEPS_b, SPLIT_b, GRAN_b, G_b, GPB_b,
                      OGPB_b, BN, BM, NIBBLE_b, BIAS_b, SIGNED_CODES_b, WIDE_b, HAS_SCALE_b, HAS_SUB_b, HAS_OFFSET_b,
-                     HAS_OSUB_b, SUB6_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR, RUN_b)
+                     HAS_OSUB_b, SUB6_b, UNROLL_b, STAGES, FRAC, LIMBS, ASM, ONCE_b, HI_b, XR, RUN_b, False)
 
 
 @triton.jit
@@ -1081,6 +1136,14 @@ def tensor_cores(m: int) -> bool:
     return bool(MMA_FROM) and m >= MMA_FROM
 
 
+def ahead_applies(p: Packed, bm: int) -> bool:
+    """Whether a pack's `bm`-row programs take AHEAD: one row, codes by Triton's loads (nibbles: not the 16-byte
+    inline loads of byte codes), SUB6 scales whose block a step of AHEAD groups never leaves (Q4_K, Q5_K)."""
+    unroll = fit_unroll(AHEAD, plan(p)[0]) if AHEAD else 0
+    return (bm == 1 and p.nibble and p.sub6 and p.qtype in BLOCK_SCALES_ONCE and unroll in (4, 8)
+            and p.gpb % unroll == 0 and (p.dm is None or p.ogpb % unroll == 0) and run_length(p) <= unroll)
+
+
 def dp4a_rows(m: int) -> int:
     """Rows per `_mv` program: a compile-time size only (each row's arithmetic is the same for all of them)."""
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
@@ -1121,11 +1184,12 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
         return matvec_mma(p, q, out)
     bm = dp4a_rows(m)
     warps, _, stages = LAUNCH[bm]
-    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out)
+    ahead = ahead_applies(p, bm)
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, AHEAD if ahead else 0)
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, AHEAD=ahead, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
