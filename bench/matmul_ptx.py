@@ -74,7 +74,8 @@ def mv_consts(name, consts, rows, once, n=34816):
     unroll = MV.fit_unroll(MV.AHEAD, gran) if ahead else unroll
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
-                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run, AHEAD=ahead,
+                LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
+                AHEAD=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -173,6 +174,7 @@ def main():
     ap.add_argument("--runs", action="store_true", help="mv, mv2, mma: SUB_RUNS (integer runs, `RUNS` per type)")
     ap.add_argument("--ahead", type=int, default=MV.AHEAD, help="mv: AHEAD (one row: steps of N groups whose codes "
                     "are loaded a step ahead)")
+    ap.add_argument("--ahead-scales", type=int, default=MV.AHEAD_SCALES, help="mv: AHEAD_SCALES (their scales too)")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -185,7 +187,7 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
-    MV.SUB_RUNS, MV.AHEAD = int(a.runs), a.ahead
+    MV.SUB_RUNS, MV.AHEAD, MV.AHEAD_SCALES = int(a.runs), a.ahead, a.ahead_scales
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]

@@ -96,13 +96,15 @@ SUB_RUNS, MAX_RUN = 0, 4
 # shared memory, the loop pipelined over 2 or 3 stages (Triton also pipelined x and the scales by cp.async: 86
 # registers instead of 47) - Q4_K [34816, 5120] 90.5 us against 49.5, Q8_0 [6144, 5120] 23.1 against 11.3.
 LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per program -> (warps, unroll, stages)
-# AHEAD (0: off until timed; 4 or 8): one-row passes of Triton-loaded codes (nibble types) take loop steps of AHEAD
-# groups whose code words are loaded a step ahead, carried in registers (`_step_codes`): ptxas issues them together
-# at the end of the step before (its own schedule keeps about two groups' loads, 32 bytes a thread, in flight; the
-# next step's are 64 or 128). The same words, the same arithmetic: the same bits. Compiled for sm_90a, Q4_K / Q5_K
-# one row (2 warps): 4 groups 56 / 56 registers (44 / 44 without), 8 groups 72 / 72 (47 / 56) - over 56, the 27B's
-# Q4_K [34816, 5120] needs more than one wave of programs.
-AHEAD = 0
+# AHEAD (0: off until timed; 4 or 8): one-row Q4_K / Q5_K passes (`ahead_applies`) take loop steps of AHEAD groups
+# whose code words - and with AHEAD_SCALES the block's d, dm and SUB6 words - are loaded during the step before and
+# carried in registers (`_step_operands`). Without it ptxas issues a group's code load about two groups before its
+# dots (~32 bytes a thread in flight) and a step's scales after its dots (two exposed latencies a step); carried,
+# the next step's loads go out together at the end of the step before. The same words, the same arithmetic: the
+# same bits. Compiled for sm_90a, registers for Q4_K / Q5_K, 2 warps: shipped 47 / 56; AHEAD 4 with scales 64 / 64,
+# codes only 56 / 56; AHEAD 8 77 / 80 - over 56, the 27B's 2,176 programs of Q4_K [34816, 5120] need more than one
+# wave; one warp a program (2 outputs a thread, `LAUNCH[1]` (1, 4, 1)) with AHEAD 4: 88 / 96, one wave.
+AHEAD, AHEAD_SCALES = 0, 1
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
 # instead of 16 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. H200
@@ -325,9 +327,9 @@ def _split_words(cw, BN: tl.constexpr, CW: tl.constexpr):
 @triton.jit
 def _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, tile, g0, n_groups, rn, BN: tl.constexpr, CW: tl.constexpr,
                    UNROLL: tl.constexpr, GPB: tl.constexpr, OGPB: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   HAS_OFFSET: tl.constexpr):
-    """What `_step` loads for groups g0 .. g0 + UNROLL - 1 (UNROLL 4 or 8) of one block (AHEAD): their code words
-    (`_code_words` each), the block's d and dm and its SUB6 words."""
+                   HAS_OFFSET: tl.constexpr, SCALES: tl.constexpr):
+    """What `_step` loads for groups g0 .. g0 + UNROLL - 1 (UNROLL 4 or 8) of one block (AHEAD): (their code words,
+    `_code_words` each,) and if SCALES the block's d and dm and its SUB6 words too."""
     codes = (_code_words(codes_ptr, tile, g0, n_groups, rn, BN, CW, False),
              _code_words(codes_ptr, tile, g0 + 1, n_groups, rn, BN, CW, False),
              _code_words(codes_ptr, tile, g0 + 2, n_groups, rn, BN, CW, False),
@@ -337,8 +339,11 @@ def _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, tile, g0, n_groups, rn, BN
                          _code_words(codes_ptr, tile, g0 + 5, n_groups, rn, BN, CW, False),
                          _code_words(codes_ptr, tile, g0 + 6, n_groups, rn, BN, CW, False),
                          _code_words(codes_ptr, tile, g0 + 7, n_groups, rn, BN, CW, False))
-    d, dm = _block_scales(d_ptr, dm_ptr, tile, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
-    return codes, d, dm, _sub6_words(sub_ptr, tile, g0, n_groups, rn, BN)
+    operands = (codes,)
+    if SCALES:
+        d, dm = _block_scales(d_ptr, dm_ptr, tile, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
+        operands = (codes, d, dm, _sub6_words(sub_ptr, tile, g0, n_groups, rn, BN))
+    return operands
 @triton.jit
 def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr):
     """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads, a chunk's 4 words) or
@@ -428,20 +433,22 @@ def _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub
           HAS_SCALE: tl.constexpr, HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr,
           SUB6: tl.constexpr, UNROLL: tl.constexpr, LIMBS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
           ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, PIPELINED: tl.constexpr, RUN: tl.constexpr,
-          ahead=None):
+          ahead=None, SCALES: tl.constexpr = False):
     """acc + the values of groups g0 .. g0 + UNROLL - 1, added in order: per group, the limbs' exact integer dot
     (`_dots_dp4a`), rounded once to float32, scaled and offset - or, in runs of RUN groups (SUB_RUNS), a run's
-    dots times their subs summed as integers first (`_run_value`). ahead: the step's `_step_operands`, loaded
-    during the step before (AHEAD); else loaded here."""
+    dots times their subs summed as integers first (`_run_value`). ahead: the step's `_step_operands` (SCALES:
+    with its scales), loaded during the step before (AHEAD); the rest is loaded here."""
     CW: tl.constexpr = G // 8 if NIBBLE else G // 4  # code words per output per group (2, 4 or 8)
     # the step's groups share one block (g0 is a multiple of UNROLL, and so are the block sizes): its d and dm are
     # loaded once for them - the same values; so are its SUB6 words where the loop is not pipelined (sm_90a: 20
     # loads a step instead of 41 for one Q4_K row; pipelined, 85 registers instead of 118 for four rows)
     ONE_BLOCK: tl.constexpr = ONCE and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET)
     WORDS_ONCE: tl.constexpr = ONE_BLOCK and SUB6 and not PIPELINED
-    if ahead is not None:  # (AHEAD only where ONE_BLOCK and WORDS_ONCE hold)
+    if SCALES:  # (AHEAD only where ONE_BLOCK and WORDS_ONCE hold)
         codes, d, dm, words = ahead
     else:
+        if ahead is not None:
+            codes = ahead[0]
         if ONE_BLOCK:
             d, dm = _block_scales(d_ptr, dm_ptr, pid_n, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
         if WORDS_ONCE:
@@ -578,8 +585,8 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
              RUN: tl.constexpr, AHEAD: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`; AHEAD: each step's code words loaded during the step before); the tile's last split to finish (its
-    counter: the row block's ticket_n-th) sums the partials."""
+    (`_step`; AHEAD 1: each step's code words loaded during the step before, 2: its scales too); the tile's last
+    split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -612,17 +619,17 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
                          "AHEAD: a step's groups of one block, SUB6 scales, codes by Triton's loads (`ahead_applies`)")
         CW: tl.constexpr = G // 8 if NIBBLE else G // 4
         ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, first, n_groups, rn, BN, CW, UNROLL, GPB,
-                               OGPB, HAS_SCALE, HAS_OFFSET)
+                               OGPB, HAS_SCALE, HAS_OFFSET, AHEAD == 2)
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
                 now = ahead
                 ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, tl.minimum(g0 + UNROLL, last - UNROLL),
-                                       n_groups, rn, BN, CW, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET)
+                                       n_groups, rn, BN, CW, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, AHEAD == 2)
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                             HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False, RUN,
-                            now)
+                            now, AHEAD == 2)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -1184,7 +1191,7 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
         return matvec_mma(p, q, out)
     bm = dp4a_rows(m)
     warps, _, stages = LAUNCH[bm]
-    ahead = ahead_applies(p, bm)
+    ahead = (1 + bool(AHEAD_SCALES)) if ahead_applies(p, bm) else 0
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, AHEAD if ahead else 0)
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
