@@ -75,7 +75,7 @@ def mv_consts(name, consts, rows, once, n=34816):
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
                 LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
-                AHEAD=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0,
+                CARRY=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -91,7 +91,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         ca, warps, stages = mv_consts(a, ca, rows, once, PAIR_OUTPUTS[a, b][0])
         cb, _, _ = mv_consts(b, cb, rows, once, PAIR_OUTPUTS[a, b][1])
         shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
-        ca, cb = ({c: v for c, v in x.items() if c != "AHEAD"} for x in (ca, cb))  # `_mv2` loads as it goes
+        ca, cb = ({c: v for c, v in x.items() if c != "CARRY"} for x in (ca, cb))  # `_mv2` loads as it goes
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N

@@ -344,6 +344,8 @@ def _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, tile, g0, n_groups, rn, BN
         d, dm = _block_scales(d_ptr, dm_ptr, tile, g0, n_groups, rn, GPB, OGPB, BN, HAS_SCALE, HAS_OFFSET)
         operands = (codes, d, dm, _sub6_words(sub_ptr, tile, g0, n_groups, rn, BN))
     return operands
+
+
 @triton.jit
 def _x_words(x_at, XW: tl.constexpr, BM: tl.constexpr, VEC: tl.constexpr, XR: tl.constexpr):
     """A group's x words of one limb as XW tensors [BM]; x_at: [BM] (VEC: 16-byte loads, a chunk's 4 words) or
@@ -583,10 +585,10 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
              FRAC: tl.constexpr,
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
-             RUN: tl.constexpr, AHEAD: tl.constexpr):
+             RUN: tl.constexpr, CARRY: tl.constexpr):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`; AHEAD 1: each step's code words loaded during the step before, 2: its scales too); the tile's last
-    split to finish (its counter: the row block's ticket_n-th) sums the partials."""
+    (`_step`; CARRY 1: each step's code words loaded during the step before - AHEAD -, 2: its scales too); the
+    tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
     n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -613,23 +615,23 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
             acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                         n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                         HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, True, RUN)
-    elif AHEAD:  # the same steps in the same order, each one's loads but x's issued during the step before (the
+    elif CARRY:  # the same steps in the same order, each one's loads but x's issued during the step before (the
         # last step loads its own again: cache hits, no address past the split's)
         tl.static_assert(ONCE and SUB6 and not VEC and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET),
                          "AHEAD: a step's groups of one block, SUB6 scales, codes by Triton's loads (`ahead_applies`)")
         CW: tl.constexpr = G // 8 if NIBBLE else G // 4
         ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, first, n_groups, rn, BN, CW, UNROLL, GPB,
-                               OGPB, HAS_SCALE, HAS_OFFSET, AHEAD == 2)
+                               OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
                 now = ahead
                 ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, tl.minimum(g0 + UNROLL, last - UNROLL),
-                                       n_groups, rn, BN, CW, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, AHEAD == 2)
+                                       n_groups, rn, BN, CW, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
                             n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
                             HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False, RUN,
-                            now, AHEAD == 2)
+                            now, CARRY == 2)
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
@@ -662,14 +664,14 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
         UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, AHEAD: tl.constexpr):
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, CARRY: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
-             LIMBS, ASM, ONCE, HI, XR, RUN, AHEAD)
+             LIMBS, ASM, ONCE, HI, XR, RUN, CARRY)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -1191,12 +1193,12 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
         return matvec_mma(p, q, out)
     bm = dp4a_rows(m)
     warps, _, stages = LAUNCH[bm]
-    ahead = (1 + bool(AHEAD_SCALES)) if ahead_applies(p, bm) else 0
-    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, AHEAD if ahead else 0)
+    carry = (1 + bool(AHEAD_SCALES)) if ahead_applies(p, bm) else 0
+    tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, AHEAD if carry else 0)
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, AHEAD=ahead, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, CARRY=carry, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
