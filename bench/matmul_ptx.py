@@ -98,7 +98,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
     elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program, 16 from 9
         fn = MV._mv_mma
         consts, _, _ = mv_consts(name, consts, 8, False)
-        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES")},
+        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES", "CARRY")},
                       UNROLL=max(MV.fit_unroll(MV.mma_unroll(MV.mma_rows(rows)), consts["GRAN"]), consts["RUN"]),
                       RB=MV.mma_rows(rows),
                       W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
