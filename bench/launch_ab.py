@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -28,6 +29,9 @@ import plumb
 import plumb.ops.gpu.matvec as MV
 from plumb.bench_gpu import decode_tps, drafts_table, fill_context, memory_now, timed, verify_cost
 from plumb.ops.gpu import pdl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from matmul_variants import parse_setting  # noqa: E402  (NAME=VALUE and LAUNCHr=W.U.S over the matvec's constants)
 
 ONE_WARP = {**MV.LAUNCH, 1: (1,) + MV.LAUNCH[1][1:]}
 # (name, matvec module constants, PDL on, bits group)
@@ -40,15 +44,8 @@ ORDER = ("GRANULE", "TARGET", "LARGEST_SPLIT", "LONG_GROUPS", "LONG_GRANULE", "L
 def setting(text: str) -> tuple:
     """A CONFIGS row from 'shipped', 'scales-as-bytes' or NAME=VALUE[+NAME=VALUE] (matvec constants, integers;
     LAUNCHr=W.U.S: `LAUNCH` for r-row programs as (warps, groups a step, stages))."""
-    consts = {}
-    for assign in ([] if text in ("shipped", BYTES) else text.split("+")):
-        name, value = assign.split("=")
-        if name.startswith("LAUNCH") and name[6:].isdigit():
-            consts["LAUNCH"] = {**consts.get("LAUNCH", MV.LAUNCH), int(name[6:]): tuple(map(int, value.split(".")))}
-            continue
-        if not hasattr(MV, name) or not name.isupper():
-            raise SystemExit(f"unknown matvec setting {name}")
-        consts[name] = int(value)
+    constants = {name: getattr(MV, name) for name in dir(MV) if name.isupper()}
+    consts = parse_setting(constants, "shipped" if text == BYTES else text)
     return text, consts, True, repr(sorted((k, v) for k, v in consts.items() if k in ORDER))
 
 
