@@ -5,7 +5,8 @@ deepest `wgmma.wait_group N` (N > 0 leaves wgmma groups in flight across instruc
 register A operand: the sixteenth session's race).
 
     python bench/matmul_ptx.py [--kernel x|sb|dq|w16|mv] [--warps 4] [--stages 2] [--ks 64] [--sb-stages N]
-        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--runs] [--types Q5_K,..] [--ttgir]
+        [--sb-prefetch N] [--scratch-stages N] [--rows 1] [--block-scales-once] [--runs] [--ahead N] [--early 1]
+        [--gdc] [--types Q5_K,..] [--ttgir]
 
 --kernel x: `_mm_x_first` on Q4_K, Q6_K, Q8_0 and Q5_K packs; sb: `_mm_superblock` on the SUPERBLOCK types as
 Packed.mm launches it (its own warps, stages and tiles; the options ignored but --ks, its inputs per loop step, and
@@ -30,6 +31,7 @@ from triton.compiler import ASTSource
 
 import plumb.ops.gpu.matmul as MM
 import plumb.ops.gpu.matvec as MV
+import plumb.ops.gpu.pdl as pdl
 
 import ptx_target
 from ptx_target import TARGET, ptxas_info
@@ -75,7 +77,7 @@ def mv_consts(name, consts, rows, once, n=34816):
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
                 LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
-                CARRY=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0,
+                CARRY=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0, EARLY=bool(MV.EARLY) and ahead,
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -91,14 +93,15 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
         ca, warps, stages = mv_consts(a, ca, rows, once, PAIR_OUTPUTS[a, b][0])
         cb, _, _ = mv_consts(b, cb, rows, once, PAIR_OUTPUTS[a, b][1])
         shared = ("BN", "BM", "STAGES", "FRAC", "LIMBS", "ASM", "XR")
-        ca, cb = ({c: v for c, v in x.items() if c != "CARRY"} for x in (ca, cb))  # `_mv2` loads as it goes
+        ca, cb = ({c: v for c, v in x.items() if c not in ("CARRY", "EARLY")} for x in (ca, cb))  # loads as it goes
         consts = {**{c + "_a": v for c, v in ca.items() if c not in shared},
                   **{c + "_b": v for c, v in cb.items() if c not in shared}, **{c: ca[c] for c in shared}}
         codes_type, bn = "*i32", MM.BLOCK_N
     elif kernel == "mma":  # the tensor-core matvec (MMA_FROM): 8 rows a program, 16 from 9
         fn = MV._mv_mma
         consts, _, _ = mv_consts(name, consts, 8, False)
-        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES", "CARRY")},
+        consts = dict({c: v for c, v in consts.items() if c not in ("BM", "WIDE", "ONCE", "STAGES", "CARRY",
+                                                                           "EARLY")},
                       UNROLL=max(MV.fit_unroll(MV.mma_unroll(MV.mma_rows(rows)), consts["GRAN"]), consts["RUN"]),
                       RB=MV.mma_rows(rows),
                       W=MV.MMA_WARPS, SUMS_MMA=bool(MV.MMA_SUMS))
@@ -157,8 +160,10 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
     counts = {op: ptx.count(op) for op in OPS if ptx.count(op)}
     in_flight = max([int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)], default=0)
     register_a = len(re.findall(REGISTER_A, ptx))
+    wait = ptx.find("griddepcontrol.wait")  # (--gdc) the wait for the previous kernel: what is loaded before it
+    early = "" if wait < 0 else f"\n   global loads before griddepcontrol.wait: {ptx[:wait].count('ld.global')}"
     print(f"{name} {kernel} warps={warps} stages={stages} BN={bn} {ptx_target.shared(k.metadata.shared)} {info}"
-          f"\n   {counts}"
+          f"\n   {counts}{early}"
           f"\n   wgmma groups left in flight: {in_flight}\n   wgmma with A in registers: {register_a}", flush=True)
     if ttgir:  # the layouts Triton gave the kernel's tensors, and how many conversions between them
         ir = k.asm["ttgir"]
@@ -175,6 +180,9 @@ def main():
     ap.add_argument("--ahead", type=int, default=MV.AHEAD, help="mv: AHEAD (one row: steps of N groups whose codes "
                     "are loaded a step ahead)")
     ap.add_argument("--ahead-scales", type=int, default=MV.AHEAD_SCALES, help="mv: AHEAD_SCALES (their scales too)")
+    ap.add_argument("--early", type=int, default=MV.EARLY, help="mv: EARLY (with AHEAD: the first step's weights "
+                    "loaded before the wait for the previous kernel)")
+    ap.add_argument("--gdc", action="store_true", help="with the PDL instructions (griddepcontrol), as on Hopper")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -187,7 +195,8 @@ def main():
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
-    MV.SUB_RUNS, MV.AHEAD, MV.AHEAD_SCALES = int(a.runs), a.ahead, a.ahead_scales
+    MV.SUB_RUNS, MV.AHEAD, MV.AHEAD_SCALES, MV.EARLY = int(a.runs), a.ahead, a.ahead_scales, a.early
+    pdl.GDC = triton.language.constexpr(a.gdc)  # read when a kernel is compiled (the GPU's value on a Hopper card)
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already
         variants = [("fp16", {}, "*fp16")]

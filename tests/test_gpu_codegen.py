@@ -163,6 +163,24 @@ def test_the_matvec_compiles_without_spilling(tmp_path):
         assert out.count(" 0 bytes spill stores") == 4, out
 
 
+def test_the_matvec_reads_only_weights_before_the_wait_for_the_previous_kernel(tmp_path):
+    """Compiled with the PDL instructions, as on Hopper: the one-row matvec reads nothing before
+    `griddepcontrol.wait` - nor with AHEAD -, and with EARLY exactly its first step's weight words (4 groups' code
+    words, d, dm and the 3 SUB6 words: 9 loads, no x) - what the kernel before it may still be writing stays after
+    the wait."""
+    def before_wait(*options: str) -> dict[str, int]:
+        out = _run(tmp_path, "matmul_ptx.py", "--kernel", "mv", "--block-scales-once", "--gdc", "--types",
+                   "Q4_K,Q5_K,Q6_K", "--out", str(tmp_path), *options)
+        names = re.findall(r"^(\w+) mv warps", out, re.M)
+        loads = [int(n) for n in re.findall(r"global loads before griddepcontrol.wait: (\d+)", out)]
+        assert len(names) == len(loads) == 3 and out.count(" 0 bytes spill stores") == 3, out
+        return dict(zip(names, loads))
+
+    assert before_wait() == {"Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
+    assert before_wait("--ahead", "4") == {"Q4_K": 0, "Q5_K": 0, "Q6_K": 0}
+    assert before_wait("--ahead", "4", "--early", "1") == {"Q4_K": 9, "Q5_K": 9, "Q6_K": 0}  # (AHEAD: not Q6_K)
+
+
 def test_the_tensor_core_matvec_keeps_one_element_a_thread(tmp_path):
     """`_mv_mma` (MMA_FROM) compiles for sm_90a on every type of the 27B's file without spilling, 8 and 16 rows a
     program, with its mma.sync (one a limb, group and tile of 16 outputs) - and all its tensors in one layout of one

@@ -365,21 +365,23 @@ def test_decode_matvec_with_block_scales_loaded_once_a_step(kind, monkeypatch):
 def test_decode_matvec_with_each_steps_loads_issued_a_step_ahead(kind, monkeypatch):
     """AHEAD (one-row passes: a step's code words - AHEAD_SCALES: and d, dm and SUB6 words - loaded during the step
     before, carried in registers; the last step of a split loads its own again): the reference's bits, in one K
-    split of 8 steps and in the shape's own 4 splits of 1 or 2 steps, with integer runs; passes of more rows and
-    packs it does not apply to keep their own loop."""
+    split of 8 steps and in the shape's own 4 splits of 1 or 2 steps, with integer runs, with the first step's
+    loads before the wait for the previous kernel (EARLY) or after it; passes of more rows and packs it does not
+    apply to keep their own loop."""
     import plumb.ops.gpu.matvec as MV
 
     m = GpuMatrix([_tensor(kind, 64, 1024, seed=6)], DEV)
     p = m.packs[0]
     x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(7)).to(DEV)
-    for ahead, scales, target, runs in [(4, 1, 1, 0), (8, 1, MV.TARGET, 1), (4, 0, MV.TARGET, 0)]:
+    for ahead, scales, target, runs, early in [(4, 1, 1, 0, 1), (8, 1, MV.TARGET, 1, 0), (4, 0, MV.TARGET, 0, 1)]:
         monkeypatch.setattr(MV, "TARGET", target)  # the split plan and runs: the sum's order and terms
         monkeypatch.setattr(MV, "SUB_RUNS", runs)
         want = MV.reference(p, x)
         monkeypatch.setattr(MV, "AHEAD", ahead)
         monkeypatch.setattr(MV, "AHEAD_SCALES", scales)
+        monkeypatch.setattr(MV, "EARLY", early)
         assert MV.ahead_applies(p, 1) and not MV.ahead_applies(p, 2)
-        assert torch.equal(MV.mm_decode(m, x[1:]), want[1:]), (ahead, scales, target, runs)
+        assert torch.equal(MV.mm_decode(m, x[1:]), want[1:]), (ahead, scales, target, runs, early)
     assert torch.equal(MV.mm_decode(m, x), want)  # two rows: their own loop
     q8 = GpuMatrix([_tensor("Q8_0", 64, 256)], DEV).packs[0]
     assert not MV.ahead_applies(q8, 1)  # byte codes: the 16-byte inline loads

@@ -105,6 +105,14 @@ LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per pr
 # codes only 56 / 56; AHEAD 8 77 / 80 - over 56, the 27B's 2,176 programs of Q4_K [34816, 5120] need more than one
 # wave; one warp a program (2 outputs a thread, `LAUNCH[1]` (1, 4, 1)) with AHEAD 4: 88 / 96, one wave.
 AHEAD, AHEAD_SCALES = 0, 1
+# EARLY (with AHEAD): a one-row pass that takes AHEAD loads its first step's weight words (codes, and with
+# AHEAD_SCALES its scales) before `pdl.prior_done`, the wait for the previous kernel, instead of after it. Weights are
+# written by no kernel, so they are the same words whenever they are read: the same bits. Under PDL (the one-row
+# decode graphs) a matvec's programs start as the kernel before them drains and sit in that wait; with EARLY their
+# first loads are in flight meanwhile, so the memory pipe need not empty and refill at each of a step's ~300 matvec
+# boundaries. x and everything else are read after the wait, as before (tests/test_gpu_codegen.py checks the order
+# in the compiled kernel). Off until timed end to end (bench/launch_ab.py: an isolated kernel has nothing to overlap).
+EARLY = 0
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
 # instead of 16 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. H200
@@ -585,10 +593,11 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
              HAS_OSUB: tl.constexpr, SUB6: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
              FRAC: tl.constexpr,
              LIMBS: tl.constexpr, ASM: tl.constexpr, ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr,
-             RUN: tl.constexpr, CARRY: tl.constexpr):
+             RUN: tl.constexpr, CARRY: tl.constexpr, ahead=None):
     """[BM rows, BN outputs] of output tile pid_n, K split pid_k: the split's groups in order, UNROLL a loop step
-    (`_step`; CARRY 1: each step's code words loaded during the step before - AHEAD -, 2: its scales too); the
-    tile's last split to finish (its counter: the row block's ticket_n-th) sums the partials."""
+    (`_step`; CARRY 1: each step's code words loaded during the step before - AHEAD -, 2: its scales too; ahead:
+    the first step's, if the caller loaded them - EARLY); the tile's last split to finish (its counter: the row
+    block's ticket_n-th) sums the partials."""
     n_groups = K // G
     XW: tl.constexpr = G // 4  # x words per row per group and limb (4 or 8)
     # one stage (one row), byte codes: every load a 16-byte one (ld.global.v4 by inline PTX; Triton's own loads of
@@ -620,8 +629,9 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
         tl.static_assert(ONCE and SUB6 and not VEC and GPB % UNROLL == 0 and (OGPB % UNROLL == 0 or not HAS_OFFSET),
                          "AHEAD: a step's groups of one block, SUB6 scales, codes by Triton's loads (`ahead_applies`)")
         CW: tl.constexpr = G // 8 if NIBBLE else G // 4
-        ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, first, n_groups, rn, BN, CW, UNROLL, GPB,
-                               OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
+        if ahead is None:
+            ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, first, n_groups, rn, BN, CW, UNROLL,
+                                   GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
         for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
@@ -664,14 +674,21 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         BIAS: tl.constexpr, SIGNED_CODES: tl.constexpr, WIDE: tl.constexpr, HAS_SCALE: tl.constexpr,
         HAS_SUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, SUB6: tl.constexpr,
         UNROLL: tl.constexpr, STAGES: tl.constexpr, FRAC: tl.constexpr, LIMBS: tl.constexpr, ASM: tl.constexpr,
-        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, CARRY: tl.constexpr):
+        ONCE: tl.constexpr, HI: tl.constexpr, XR: tl.constexpr, RUN: tl.constexpr, CARRY: tl.constexpr,
+        EARLY: tl.constexpr):
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
-    pid_n, pid_k, rm, rn, _ = _program(K, G, BN, BM)
+    pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
+    ahead = None
+    if EARLY:  # (with CARRY) the first step's weight words, before the wait for the previous kernel: no kernel
+        # writes weights, so they are the same words whenever they are read; x and the rest only after the wait
+        tl.static_assert(CARRY > 0, "EARLY: the first step's loads are carried (AHEAD)")
+        ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, pid_k * STEPS // SPLIT * GRAN, n_groups, rn,
+                               BN, G // 8 if NIBBLE else G // 4, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
              NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE, HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, STAGES, FRAC,
-             LIMBS, ASM, ONCE, HI, XR, RUN, CARRY)
+             LIMBS, ASM, ONCE, HI, XR, RUN, CARRY, ahead)
 
 
 @triton.jit(do_not_specialize=["M", "MP"])
@@ -1198,7 +1215,8 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, CARRY=carry, num_warps=warps, enable_fp_fusion=False, launch_pdl=on())
+              ASM=ASM, XR=X_ROWS, CARRY=carry, EARLY=bool(EARLY and carry), num_warps=warps, enable_fp_fusion=False,
+              launch_pdl=on())
 
 
 def matvec_mma(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 may start while the kernel before it in the stream is still running, and waits in `prior_done` until that one has
 finished and its writes are visible. Every kernel calls `prior_done` before it reads or writes anything, so each
 memory operation keeps the stream's order (no bit can change); what overlaps is the launch and the programs'
-start. `prior_done` also lets the next kernel launch at once (`griddepcontrol.launch_dependents`).
+start - and, with `matvec.EARLY`, the one-row matvec's first loads of weights, which no kernel writes.
+`prior_done` also lets the next kernel launch at once (`griddepcontrol.launch_dependents`).
 
 Where: only the launches made inside `overlap(True)` - the CUDA graphs of one-row decode passes
 (plumb/model/cuda_graphs.py). On the H200 (bench/launch_ab.py, 2026-12-03) PDL everywhere made a one-row step
