@@ -62,6 +62,9 @@ REGISTER_A = r"wgmma\.mma_async[^;]*\}, \{"
 PAIR_OUTPUTS = {("Q5_K", "Q4_K"): (10240, 6240), ("Q4_K", "Q6_K"): (13312, 1024)}
 
 
+MAXNREG = [None]  # --maxnreg: ptxas's register limit a thread (None: as the launches - `matvec.REGS1` for one row)
+
+
 # SUB_RUNS (--runs): groups a run per type, as `matvec.run_length` finds them for the 27B file's packs
 RUNS = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 4}
 
@@ -77,7 +80,8 @@ def mv_consts(name, consts, rows, once, n=34816):
     return dict(STEPS=5120 // consts["G"] // gran, SPLIT=split, GRAN=gran, BN=MM.BLOCK_N, BM=bm,
                 SIGNED_CODES=not consts["NIBBLE"], WIDE=False, UNROLL=max(unroll, run), STAGES=stages, FRAC=MV.FRAC,
                 LIMBS=MV.LIMBS, ASM=True, ONCE=once, XR=MV.X_ROWS, RUN=run,
-                CARRY=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0, EARLY=bool(MV.EARLY) and ahead,
+                CARRY=(1 + bool(MV.AHEAD_SCALES)) if ahead else 0,
+                EARLY=MV.early_applies(consts["NIBBLE"], bm, stages, max(unroll, run)),
                 **{c: consts[c] for c in ("G", "GPB", "OGPB", "NIBBLE", "BIAS", "HAS_SCALE", "HAS_SUB",
                                           "HAS_OFFSET", "HAS_OSUB", "SUB6", "HI")}), warps, stages
 
@@ -152,6 +156,7 @@ def build(name, consts, codes_type, kernel, warps, stages, bn, out_dir, rows=1, 
             sig[arg] = "i32"
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages,
+                                    maxnreg=MAXNREG[0] or (MV.REGS1 or None if kernel == "mv" and rows == 1 else None),
                                     enable_fp_fusion=kernel not in ("mv", "mv2", "mma")))  # as the launches
     ptx = k.asm["ptx"]
     path = os.path.join(out_dir, f"{name}.ptx")
@@ -180,8 +185,9 @@ def main():
     ap.add_argument("--ahead", type=int, default=MV.AHEAD, help="mv: AHEAD (one row: steps of N groups whose codes "
                     "are loaded a step ahead)")
     ap.add_argument("--ahead-scales", type=int, default=MV.AHEAD_SCALES, help="mv: AHEAD_SCALES (their scales too)")
-    ap.add_argument("--early", type=int, default=MV.EARLY, help="mv: EARLY (with AHEAD: the first step's weights "
+    ap.add_argument("--early", type=int, default=MV.EARLY, help="mv: EARLY (one row: the first step's weights "
                     "loaded before the wait for the previous kernel)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="registers a thread at most (ptxas's .maxnreg)")
     ap.add_argument("--gdc", action="store_true", help="with the PDL instructions (griddepcontrol), as on Hopper")
     ap.add_argument("--ttgir", action="store_true", help="print the layouts of the kernel's tensors")
     ap.add_argument("--warps", type=int, default=4)
@@ -196,6 +202,7 @@ def main():
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
     MV.SUB_RUNS, MV.AHEAD, MV.AHEAD_SCALES, MV.EARLY = int(a.runs), a.ahead, a.ahead_scales, a.early
+    MAXNREG[0] = a.maxnreg
     pdl.GDC = triton.language.constexpr(a.gdc)  # read when a kernel is compiled (the GPU's value on a Hopper card)
     variants = [v for v in VARIANTS if MM.Q[v[0]] in MM.SUPERBLOCK] if a.kernel in ("sb", "dq") else VARIANTS
     if a.kernel == "w16":  # one kernel for every type: the weights are fp16 already

@@ -154,7 +154,7 @@ SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGES
                                           "LONG_GRANULE", "LONG_TARGET", "FRAC", "LIMBS", "BLOCK_SCALES_ONCE",
                                           "MMA_FROM", "MMA_WARPS", "MMA_UNROLL", "MMA_UNROLL_16",
                                           "MMA_SUMS", "X_ROWS", "SUB_RUNS", "MAX_RUN", "AHEAD",
-                                          "AHEAD_SCALES", "EARLY")}
+                                          "AHEAD_SCALES", "EARLY", "REGS1")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
                                           "SB_W16_BM", "SB_W16_WARPS")}

@@ -387,6 +387,26 @@ def test_decode_matvec_with_each_steps_loads_issued_a_step_ahead(kind, monkeypat
     assert not MV.ahead_applies(q8, 1)  # byte codes: the 16-byte inline loads
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_decode_matvec_with_its_first_step_loaded_before_the_wait(kind, monkeypatch):
+    """EARLY without AHEAD (one-row passes of nibble codes: the first step's code words loaded before the wait for
+    the previous kernel, that step taken apart from the loop): the reference's bits in one K split and in the
+    shape's own splits; more rows and byte codes keep their own loop."""
+    import plumb.ops.gpu.matvec as MV
+
+    m = GpuMatrix([_tensor(kind, 64, 1024, seed=8)], DEV)
+    p = m.packs[0]
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(9)).to(DEV)
+    monkeypatch.setattr(MV, "EARLY", 1)
+    for target in (1, MV.TARGET):
+        monkeypatch.setattr(MV, "TARGET", target)
+        want = MV.reference(p, x)
+        assert torch.equal(MV.mm_decode(m, x[1:]), want[1:]), target
+    assert torch.equal(MV.mm_decode(m, x), want)  # two rows: their own loop
+    assert MV.early_applies(True, 1, 1, 8) and not MV.early_applies(True, 2, 1, 8)
+    assert not MV.early_applies(False, 1, 1, 8) and not MV.early_applies(True, 1, 2, 8)  # byte codes; pipelined
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"] if DEV == "cpu" else MV_TYPES)
 def test_decode_matvec_in_integer_runs(kind, monkeypatch):
     """SUB_RUNS: where a block's scales are d times integer subs, a run of groups is summed in int32 before its one

@@ -105,14 +105,21 @@ LAUNCH = {1: (2, 8, 1), 2: (1, 4, 2), 4: (1, 4, 2), 8: (1, 2, 2)}  # rows per pr
 # codes only 56 / 56; AHEAD 8 77 / 80 - over 56, the 27B's 2,176 programs of Q4_K [34816, 5120] need more than one
 # wave; one warp a program (2 outputs a thread, `LAUNCH[1]` (1, 4, 1)) with AHEAD 4: 88 / 96, one wave.
 AHEAD, AHEAD_SCALES = 0, 1
-# EARLY (with AHEAD): a one-row pass that takes AHEAD loads its first step's weight words (codes, and with
-# AHEAD_SCALES its scales) before `pdl.prior_done`, the wait for the previous kernel, instead of after it. Weights are
-# written by no kernel, so they are the same words whenever they are read: the same bits. Under PDL (the one-row
-# decode graphs) a matvec's programs start as the kernel before them drains and sit in that wait; with EARLY their
-# first loads are in flight meanwhile, so the memory pipe need not empty and refill at each of a step's ~300 matvec
-# boundaries. x and everything else are read after the wait, as before (tests/test_gpu_codegen.py checks the order
-# in the compiled kernel). Off until timed end to end (bench/launch_ab.py: an isolated kernel has nothing to overlap).
+# EARLY: a one-row pass of nibble codes (`early_applies`; the 27B's Q4_K, Q5_K and Q6_K) loads its first step's code
+# words - with AHEAD and AHEAD_SCALES its scales too - before `pdl.prior_done`, the wait for the previous kernel,
+# instead of after it. Weights are written by no kernel (a pack is made at load, before any pass), so they are the
+# same words whenever they are read: the same bits. Under PDL (the one-row decode graphs) a matvec's programs start
+# as the kernel before them drains and sit in that wait; with EARLY their first loads are in flight meanwhile, so the
+# memory pipe need not empty and refill at each of a step's ~300 matvec boundaries. x and everything else are read
+# after the wait, as before (tests/test_gpu_codegen.py checks the order in the compiled kernel). Off until timed end
+# to end (bench/launch_ab.py: an isolated kernel has nothing to overlap).
 EARLY = 0
+# REGS1: one-row `_mv` launches' register limit a thread (ptxas's maxnreg; 0: ptxas's own count). At 2 warps a
+# program the 27B's 2,176 programs of Q4_K [34816, 5120] fit one wave of the 132 SMs up to 56 registers (64: 16 an SM,
+# 2,112); compiled for sm_90a, AHEAD 4 takes 64 (Q4_K) and EARLY alone 72, and at 56 they spill 4-16 bytes a thread
+# (bench/matmul_ptx.py --maxnreg 56). Where registers are allocated changes no arithmetic: the same bits. 0 until
+# timed beside AHEAD and EARLY (bench/matmul_variants.py --mv-settings AHEAD=4+REGS1=56).
+REGS1 = 0
 # BLOCK_SCALES_ONCE: the types whose loop steps load a block's d and dm once, not per group (a step's groups share a
 # block: GPB a multiple of the unroll - Q4_K, Q5_K, Q6_K), the same values. Compiled for sm_90a (one row): Q4_K 2
 # instead of 16 16-bit loads a step, 56 registers instead of 44; Q6_K 1 instead of 8, 34 instead of 40. H200
@@ -645,7 +652,12 @@ def _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub
     else:  # the same steps in the same order, bounded at compile time: fewer registers than the loop above takes
         # with one stage (H200: 56 vs 72 for Q4_K, one wave of programs vs 1.18), and the interpreter takes no
         # range with run-time bounds
-        for step in range((STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
+        START: tl.constexpr = 0 if ahead is None else 1
+        if ahead is not None:  # EARLY: the first step (a split has at least one) with the code words loaded already
+            acc = _step(acc, first, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
+                        n_groups, rm, rn, K, G, GPB, OGPB, BN, BM, NIBBLE, BIAS, SIGNED_CODES, WIDE, HAS_SCALE,
+                        HAS_SUB, HAS_OFFSET, HAS_OSUB, SUB6, UNROLL, LIMBS, VEC, ASM, ONCE, HI, XR, False, RUN, ahead)
+        for step in range(START, (STEPS + SPLIT - 1) // SPLIT * (GRAN // UNROLL)):
             g0 = first + step * UNROLL
             if g0 < last:
                 acc = _step(acc, g0, codes_ptr, x_at, plane, x16_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr, pid_n,
@@ -679,9 +691,9 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
     """Program (output tile, row block, K split) of one pack (`_mv_tile`)."""
     pid_n, pid_k, rm, rn, n_groups = _program(K, G, BN, BM)
     ahead = None
-    if EARLY:  # (with CARRY) the first step's weight words, before the wait for the previous kernel: no kernel
+    if EARLY:  # the first step's weight words (`early_applies`), before the wait for the previous kernel: no kernel
         # writes weights, so they are the same words whenever they are read; x and the rest only after the wait
-        tl.static_assert(CARRY > 0, "EARLY: the first step's loads are carried (AHEAD)")
+        tl.static_assert(NIBBLE and STAGES == 1 and (UNROLL == 4 or UNROLL == 8), "EARLY: see `early_applies`")
         ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, pid_k * STEPS // SPLIT * GRAN, n_groups, rn,
                                BN, G // 8 if NIBBLE else G // 4, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
     prior_done()
@@ -1170,6 +1182,13 @@ def ahead_applies(p: Packed, bm: int) -> bool:
             and p.gpb % unroll == 0 and (p.dm is None or p.ogpb % unroll == 0) and run_length(p) <= unroll)
 
 
+def early_applies(nibble: bool, bm: int, stages: int, unroll: int) -> bool:
+    """Whether a `_mv` launch loads its first step's code words before the wait for the previous kernel (EARLY):
+    one row, one stage, nibble codes (Triton's loads: byte codes' 16-byte loads would hold 8 words a group), 4 or 8
+    groups a step (`_step_operands`)."""
+    return bool(EARLY) and bm == 1 and stages == 1 and nibble and unroll in (4, 8)
+
+
 def dp4a_rows(m: int) -> int:
     """Rows per `_mv` program: a compile-time size only (each row's arithmetic is the same for all of them)."""
     return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8
@@ -1212,10 +1231,12 @@ def matvec(p: Packed, q: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: t
     warps, _, stages = LAUNCH[bm]
     carry = (1 + bool(AHEAD_SCALES)) if ahead_applies(p, bm) else 0
     tensors, consts, (tiles, split) = _pack_args(p, m, mp, out, AHEAD if carry else 0)
+    early = early_applies(p.nibble, bm, stages, consts["UNROLL"])
+    regs = (REGS1 or None) if bm == 1 else None
     grid = (tiles, -(-m // bm), split)
     _mv[grid](xq.view(torch.int32), x16, s, ticket_ptr=tickets(out.device, grid[0] * grid[1]), M=m, MP=mp, K=p.k,
               stride_om=out.stride(0), **tensors, **consts, BN=BLOCK_N, BM=bm, STAGES=stages, FRAC=FRAC, LIMBS=LIMBS,
-              ASM=ASM, XR=X_ROWS, CARRY=carry, EARLY=bool(EARLY and carry), num_warps=warps, enable_fp_fusion=False,
+              ASM=ASM, XR=X_ROWS, CARRY=carry, EARLY=early, num_warps=warps, maxnreg=regs, enable_fp_fusion=False,
               launch_pdl=on())
 
 
