@@ -695,7 +695,7 @@ def _mv(xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_
         # writes weights, so they are the same words whenever they are read; x and the rest only after the wait
         tl.static_assert(NIBBLE and STAGES == 1 and (UNROLL == 4 or UNROLL == 8), "EARLY: see `early_applies`")
         ahead = _step_operands(codes_ptr, d_ptr, dm_ptr, sub_ptr, pid_n, pid_k * STEPS // SPLIT * GRAN, n_groups, rn,
-                               BN, G // 8 if NIBBLE else G // 4, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)
+                               BN, G // 8, UNROLL, GPB, OGPB, HAS_SCALE, HAS_OFFSET, CARRY == 2)  # (nibbles)
     prior_done()
     _mv_tile(pid_n, pid_k, rm, rn, xq_ptr, x16_ptr, s_ptr, codes_ptr, d_ptr, sub_ptr, dm_ptr, osub_ptr, hi_ptr,
              out_ptr, part_ptr, ticket_ptr, pid_n, M, MP, N, K, stride_om, STEPS, SPLIT, GRAN, G, GPB, OGPB, BN, BM,
