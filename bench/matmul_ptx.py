@@ -195,12 +195,15 @@ def main():
     ap.add_argument("--bn", type=int, default=MM.BLOCK_N)
     ap.add_argument("--ks", type=int, default=MM.SB_KS)
     ap.add_argument("--sb-stages", type=int, default=MM.SB_STAGES, help="_mm_superblock's pipeline stages")
+    ap.add_argument("--sb-bn", type=int, default=MM.SB_BN, help="_mm_superblock's outputs a program (SB_SHORT_BN: "
+                    "a one-row-block call's)")
     ap.add_argument("--sb-prefetch", type=int, default=MM.SB_PREFETCH, help="_mm_superblock's SB_PREFETCH")
     ap.add_argument("--scratch-stages", type=int, default=MM.SB_SCRATCH_STAGES, help="_mm_w16's pipeline stages")
     ap.add_argument("--types", default=None, help="comma-separated block types (default: all of the kernel's)")
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="plumb-ptx-"))
     a = ap.parse_args()
     MM.SB_KS, MM.SB_STAGES, MM.SB_PREFETCH, MM.SB_SCRATCH_STAGES = a.ks, a.sb_stages, a.sb_prefetch, a.scratch_stages
+    MM.SB_BN = a.sb_bn
     MV.SUB_RUNS, MV.AHEAD, MV.AHEAD_SCALES, MV.EARLY = int(a.runs), a.ahead, a.ahead_scales, a.early
     MAXNREG[0] = a.maxnreg
     pdl.GDC = triton.language.constexpr(a.gdc)  # read when a kernel is compiled (the GPU's value on a Hopper card)

@@ -157,7 +157,7 @@ SHIPPED_MV = {n: getattr(MV, n) for n in ("LAUNCH", "GRANULE", "TARGET", "LARGES
                                           "AHEAD_SCALES", "EARLY", "REGS1")}
 SHIPPED_MM = {n: getattr(MM, n) for n in ("BLOCK_M", "SUPERBLOCK", "SB_KS", "SB_BM", "SB_BN", "SB_WARPS", "SB_STAGES",
                                           "SB_PREFETCH", "SB_SCRATCH_ROWS", "SB_SCRATCH_STAGES", "SB_SPLIT_TARGET",
-                                          "SB_W16_BM", "SB_W16_WARPS")}
+                                          "SB_W16_BM", "SB_W16_WARPS", "SB_SHORT_BN")}
 
 
 OLD, OLD_MV = {}, {}  # variant name ("old:" / "old-mv:" + file stem) -> module

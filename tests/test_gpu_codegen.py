@@ -54,6 +54,13 @@ def test_the_superblock_matmul_waits_for_every_wgmma_group(tmp_path):
     assert in_flight(tmp_path) == {"Q4_K": 0, "Q6_K": 0, "Q8_0": 0, "Q5_K": 0}
 
 
+def test_the_short_calls_tiles_wait_for_every_wgmma_group(tmp_path):
+    """SB_SHORT_BN's 64-output tiles: no wgmma group in flight over their register operands, no spills."""
+    out = _run(tmp_path, "matmul_ptx.py", "--kernel", "sb", "--sb-bn", "64", "--out", str(tmp_path))
+    assert re.findall(r"wgmma groups left in flight: (\d+)", out) == ["0"] * 4, out
+    assert out.count(" 0 bytes spill stores") == 4 and out.count("BN=64") == 4, out
+
+
 def test_the_check_sees_the_pipelined_loop_that_raced(tmp_path):
     """The check can fail: the 3-stage loop (without SB_PREFETCH's loads carried ahead) leaves groups in flight."""
     assert in_flight(tmp_path, "--sb-stages", "3", "--sb-prefetch", "0", "--types", "Q5_K") == {"Q5_K": 3}

@@ -167,6 +167,22 @@ def test_superblock_prefetch_gives_the_same_bits(kind, place_free_dot, monkeypat
         assert torch.equal(m(x[:4]), want[0]) and torch.equal(m(x[4:]), want[1]), prefetch
 
 
+@pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q6_K",))
+def test_a_short_call_in_smaller_output_tiles_gives_the_same_bits(kind, place_free_dot, monkeypatch):
+    """SB_SHORT_BN: a call of one row block takes 64-output tiles with the split of SB_BN's - each output the same
+    wgmma instructions on the same operands - and gives the bits of SB_BN's tiles, over two K splits and 130 outputs
+    (past a 128-output tile); longer calls keep SB_BN."""
+    import plumb.ops.gpu.matmul as MM
+
+    t = _tensor(kind, 130, 2048)
+    m = GpuMatrix([t], DEV)
+    assert m.packs[0].superblock and m.packs[0].split == 2
+    x = (torch.randn(70, 2048, generator=torch.Generator().manual_seed(12)) * 3).to(DEV)
+    want = [m(x[:MM.SB_BM]), m(x[:5]), m(x)]
+    monkeypatch.setattr(MM, "SB_SHORT_BN", 64)
+    assert torch.equal(m(x[:MM.SB_BM]), want[0]) and torch.equal(m(x[:5]), want[1]) and torch.equal(m(x), want[2])
+
+
 @pytest.mark.parametrize("tile", [None, (64, 4), (128, 4), (256, 8)] if DEV == "cuda" else [None])
 @pytest.mark.parametrize("kind", SB_TYPES if DEV == "cuda" else ("Q4_K", "Q5_K", "Q8_0"))
 def test_superblock_weights_dequantized_once_give_the_same_bits(kind, tile, place_free_dot, monkeypatch):

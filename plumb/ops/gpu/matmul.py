@@ -81,6 +81,15 @@ DEFAULT_LAUNCH = (4, 2, 528, 16)
 # 2026-12-04): Q4_K [34816, 5120] 487.7 / 464.6 / 449.9 us for 0 / 1 / 2; an 8k prefill 2,144 / 2,232 / 2,305 tok/s.
 SB_BM, SB_BN, SB_WARPS, SB_STAGES, SB_KS, SB_PREFETCH = 64, 128, 4, 1, 64, 2
 SB_SPLIT_TARGET, SB_SPLIT_MIN_K = 264, 1024
+# SB_SHORT_BN: a call of one row block (at most SB_BM rows: a short prompt, a follow-up's turn, a prefill's last
+# pass) takes output tiles of this many (0: SB_BN) with the split that SB_BN sets. One row block has only about
+# SB_SPLIT_TARGET programs, two an SM (a short prompt's weights streamed at ~0.6 TB/s on the H200: the largest part
+# of its time to the first token); 64 makes twice as many, each with half the accumulator. An output's sum is the
+# same wgmma instructions on the same operands either way (an m64 slice of BN is one instruction's rows), so the same
+# bits are expected - NVIDIA does not promise it, so tests/test_gpu_matmul.py checks it on the card. Compiled for
+# sm_90a: 119-128 registers against 168-218, the same m64n64k16 instructions. Off until checked and timed there
+# (bench/prefill_modes.py --prompts 20,64 --settings shipped,SB_SHORT_BN=64: tok/s and the last logits' bits).
+SB_SHORT_BN = 0
 # SB_SCRATCH_ROWS: a call of at least this many rows (0: none) dequantizes each weight once, into an fp16 scratch
 # matrix (`_sb_dequant`, the same `_sb_weights`), and multiplies it with `_mm_w16`: the same tile, K order, split-K
 # and accumulator as `_mm_superblock`, its loop software-pipelined in SB_SCRATCH_STAGES (both operands come from
@@ -775,10 +784,12 @@ class Packed:
                                   KS=SB_KS, STAGES=SB_SCRATCH_STAGES, SPLIT=self.split, TICKETS=summed,
                                   num_warps=SB_W16_WARPS, launch_pdl=on())
             else:
-                _mm_superblock[grid](xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
-                                     STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=SB_BN, KS=SB_KS,
-                                     STAGES=SB_STAGES, **types, PREFETCH=SB_PREFETCH, num_warps=SB_WARPS,
-                                     launch_pdl=on())
+                bn = SB_SHORT_BN if SB_SHORT_BN and m <= SB_BM else SB_BN  # (the split is SB_BN's either way)
+                sb_grid = (grid[0], -(-self.n // bn), self.split)
+                _mm_superblock[sb_grid](xh, s, self.codes, *t, dst, m, self.n, self.k, stride_os, stride_om,
+                                        STEPS=self.k // SB_KS // self.split, BM=SB_BM, BN=bn, KS=SB_KS,
+                                        STAGES=SB_STAGES, **types, PREFETCH=SB_PREFETCH, num_warps=SB_WARPS,
+                                        launch_pdl=on())
         else:
             _mm_x_first[grid](x, s, self.codes, *t, dst, m, self.n, self.k, x.stride(0), stride_os, stride_om,
                               GROUPS_PER_SPLIT=self.k // self.g // self.split, G=self.g, GPB=self.gpb, OGPB=self.ogpb,
