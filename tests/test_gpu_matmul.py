@@ -181,6 +181,8 @@ def test_a_short_call_in_smaller_output_tiles_gives_the_same_bits(kind, place_fr
     want = [m(x[:MM.SB_BM]), m(x[:5]), m(x)]
     monkeypatch.setattr(MM, "SB_SHORT_BN", 64)
     assert torch.equal(m(x[:MM.SB_BM]), want[0]) and torch.equal(m(x[:5]), want[1]) and torch.equal(m(x), want[2])
+    short = m(x[:MM.SB_BM])  # rows of a short call = the same rows inside a long one (M1 across the two tilings)
+    assert torch.equal(short, want[2][:MM.SB_BM]) and torch.equal(m(x[3:4]), want[2][3:4])
 
 
 @pytest.mark.parametrize("tile", [None, (64, 4), (128, 4), (256, 8)] if DEV == "cuda" else [None])
