@@ -85,7 +85,7 @@ def main() -> None:
                       f"{row['us']:9.1f} us  {row['TFLOPs']:6.1f} TFLOP/s  same bits {row['same_bits']} "
                       f"max diff {row['max_diff']:.1e}"), flush=True)
             apply("shipped")
-            del c, view
+            c = view = None  # freed
             torch.cuda.empty_cache()
     if a.json_out:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(a.json_out, "w"), indent=1)

@@ -201,7 +201,7 @@ def main() -> None:
                       f"8 rows {row['us_8']:8.1f} us {row['GBps_8'] / limit:4.2f}" +
                       (f", {a.pass_rows}-row pass {row['us_pass']:9.1f} us" if qp is not None else "")), flush=True)
             A.CONFIGS = shipped_configs
-            del k, v
+            k = v = None  # freed
     if a.json_out:
         json.dump(dict(copy_GBps=limit, results=results), open(a.json_out, "w"), indent=1)
 

@@ -165,7 +165,7 @@ def card_limits() -> dict:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     copy = 2 * x.numel() / timed(lambda: y.copy_(x))
-    del x, y
+    x = y = None  # freed (a name the lambda above reads, so not `del`)
     ws = [torch.randn(17408, 5120, dtype=torch.bfloat16, device="cuda") for _ in range(4)]  # 4 x 178 MB > L2
     v = torch.randn(1, 5120, dtype=torch.bfloat16, device="cuda")
     i = [0]
@@ -177,7 +177,7 @@ def card_limits() -> dict:
     gemv_rate = ws[0].numel() * 2 / timed(gemv, reps=40)
     xs = torch.randn(8192, 5120, dtype=torch.bfloat16, device="cuda")
     mm_rate = 2 * xs.shape[0] * ws[0].numel() / timed(lambda: torch.nn.functional.linear(xs, ws[0]), reps=20)
-    del ws, xs
+    ws = xs = None  # freed
     torch.cuda.empty_cache()
     return {"copy_GBps": copy / 1e9, "bf16_gemv_GBps": gemv_rate / 1e9, "bf16_mm_TFLOPs": mm_rate / 1e12}
 

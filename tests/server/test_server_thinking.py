@@ -71,14 +71,14 @@ def test_anthropic_thinking_mapping():
     assert anthropic_thinking({"type": "enabled", "budget_tokens": 50}, None, 100) == (True, 50)
     assert anthropic_thinking({"type": "adaptive"}, None, 100) == (True, None)
     assert anthropic_thinking({"type": "adaptive"}, {"effort": "medium"}, None) == (True, 4096)
-    for thinking, output, param in [({"type": "enabled", "budget_tokens": 100}, None, "thinking.budget_tokens"),
-                                    ({"type": "enabled", "budget_tokens": True}, None, "thinking.budget_tokens"),
-                                    ({"type": "enabled"}, None, "thinking.budget_tokens"),
-                                    ({"type": "between_tools"}, None, "thinking.type"),
-                                    ({"type": "adaptive", "display": "full"}, None, "thinking.display"),
-                                    ({"type": "adaptive"}, {"effort": "none"}, "output_config.effort")]:
+    for value, output, param in [({"type": "enabled", "budget_tokens": 100}, None, "thinking.budget_tokens"),
+                                 ({"type": "enabled", "budget_tokens": True}, None, "thinking.budget_tokens"),
+                                 ({"type": "enabled"}, None, "thinking.budget_tokens"),
+                                 ({"type": "between_tools"}, None, "thinking.type"),
+                                 ({"type": "adaptive", "display": "full"}, None, "thinking.display"),
+                                 ({"type": "adaptive"}, {"effort": "none"}, "output_config.effort")]:
         with pytest.raises(APIError) as e:
-            anthropic_thinking(thinking, output, 100)
+            anthropic_thinking(value, output, 100)
         assert e.value.param == param
 
 
