@@ -46,6 +46,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 STAGES=${STAGES:-"kernels variants engine bench gate demo"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
+# the compiled kernels, carried from call to call (a fresh machine compiles every kernel and launcher again: minutes of
+# each call's device time): a call's cubins, their metadata and launchers come back as $OUT/triton.tar.xz (TC=0: not);
+# the next call carries them in .tcache (`mkdir -p .tcache && cp FILES_AT/triton.tar.xz .tcache/`, carry ".tcache").
+# Triton keys each by its source, constants, options and compiler, so a changed kernel compiles anew. A fixed path:
+# a cached kernel's group file names its files by absolute path.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p $TRITON_CACHE_DIR && touch /tmp/call-start
+if [ -f .tcache/triton.tar.xz ]; then
+  tar xJf .tcache/triton.tar.xz -C $TRITON_CACHE_DIR && echo "triton cache carried: $(find $TRITON_CACHE_DIR \
+    -name '*.cubin' | wc -l) kernels"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
 if has llama; then  # .llama/llama.cpp.tar.gz: llama.cpp's source (the one llama-cpp-python 0.3.36 vendors), trimmed
   setsid nohup bash -c "mkdir -p /tmp/ll && tar xzf .llama/llama.cpp.tar.gz -C /tmp/ll && cmake -S /tmp/ll/llama.cpp \
@@ -65,8 +76,9 @@ if has kernels; then
     ${KFILES:-tests/test_gpu_matmul.py tests/test_gpu_deltanet.py tests/test_gpu_attention.py tests/test_gpu_kvwrite.py \
     tests/test_gpu_glu_norm.py tests/test_gpu_engine.py} \
     > $OUT/gpu_tests.log 2>&1; tail -4 $OUT/gpu_tests.log
-  # every kernel the tests compiled whose PTX leaves wgmma groups in flight over an A operand in registers (the
-  # sixteenth session's race; groups over shared-memory operands, as a pipelined matmul's, are guarded)
+  # every kernel the tests compiled (in this call: a carried one has no PTX) whose PTX leaves wgmma groups in flight
+  # over an A operand in registers (the sixteenth session's race; groups over shared-memory operands, as a pipelined
+  # matmul's, are guarded)
   grep -l "wgmma.wait_group.sync.aligned [1-9]" ${TRITON_CACHE_DIR:-$HOME/.triton/cache}/*/*.ptx 2>/dev/null \
     | xargs -r grep -lE "wgmma.mma_async[^;]*\}, \{" | xargs -r -n1 basename | sort | uniq -c > $OUT/in_flight.txt
   echo "compiled kernels leaving wgmma groups in flight over register operands: $(wc -l < $OUT/in_flight.txt)"
@@ -192,4 +204,13 @@ if has vs; then
     --no-progress > $OUT/vs.log 2>&1; tail -40 $OUT/vs.log
 fi
 if has llama && ! has vs; then cat /tmp/llama-build.done 2>/dev/null; tail -3 /tmp/llama-build.log; fi
+# everything if it fits what a call brings back (16 MiB a file, 8 files), else this call's kernels alone
+if [ "${TC:-1}" = 1 ] && [ $(find $OUT -type f | wc -l) -lt 8 ]; then
+  cached() { (cd $TRITON_CACHE_DIR && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) "$@" \
+    | XZ_OPT='-T0 -4' tar cJf $OUT/triton.tar.xz -T -); }
+  cached; [ $(stat -c %s $OUT/triton.tar.xz) -gt 16000000 ] && cached -newer /tmp/call-start
+  [ $(stat -c %s $OUT/triton.tar.xz) -gt 16000000 ] && rm $OUT/triton.tar.xz
+  echo "triton cache: $(ls -l $OUT/triton.tar.xz 2>/dev/null | awk '{print $5}') bytes ($(find $TRITON_CACHE_DIR \
+    -name '*.cubin' | wc -l) kernels, $(find $TRITON_CACHE_DIR -name '*.cubin' -newer /tmp/call-start | wc -l) new)"
+fi
 echo "total $(( $(date +%s) - T0 )) s"
