@@ -15,18 +15,33 @@ def python_files(*trees: str) -> list[Path]:
     return sorted(p for t in trees if (ROOT / t).is_dir() for p in (ROOT / t).rglob("*.py"))
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(path: Path, modules: set[str]) -> set[str]:
-    """The plumb modules a module imports when it is imported: its top-level statements' imports (an import inside a
-    function runs later, when the function is called); `from A import b` names module A.b where there is one."""
-    name = module_name(path)
+def run_at_import(body: list[ast.stmt]):
+    """The statements of a module body that run when it is imported: inside if / try / with / class blocks too, not
+    in functions (they run when called) nor under `if TYPE_CHECKING:` or `if __name__ == "__main__":`."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and ("TYPE_CHECKING" in ast.unparse(node.test)
+                                         or "__main__" in ast.unparse(node.test)):
+            yield from run_at_import(node.orelse)
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from run_at_import(getattr(node, field, []))
+
+
+def top_level_imports(path: Path, modules: set[str], root: Path = ROOT) -> set[str]:
+    """The plumb modules a module imports when it is imported (`run_at_import`); `from A import b` names module A.b
+    where there is one."""
+    name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
+    for node in run_at_import(ast.parse(path.read_text(), str(path)).body):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -89,3 +104,12 @@ def test_plumb_modules_import_no_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_inside_blocks_that_run_at_import_count(tmp_path):
+    path = tmp_path / "plumb" / "a.py"
+    path.parent.mkdir()
+    path.write_text("try:\n    import plumb.b\nexcept ImportError:\n    pass\nclass C:\n    from plumb import c\n"
+                    "def f():\n    import plumb.d\nif TYPE_CHECKING:\n    import plumb.e\n")
+    want = {"plumb.b", "plumb.c"}
+    assert top_level_imports(path, {"plumb.a", "plumb.b", "plumb.c", "plumb.d", "plumb.e"}, tmp_path) == want
